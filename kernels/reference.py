@@ -1,0 +1,137 @@
+"""Vectorized PyTorch reference kernels: the CPU path, and the oracle the Triton kernels match.
+
+Cache layout (one layer's view): ``key_cache``/``value_cache`` are ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, possibly strided (the engine keeps all layers of a block together so a
+block moves as one contiguous piece). Token ``t`` of a sequence lives in block
+``block_table[t // block_size]`` at offset ``t % block_size``; a *slot* is
+``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their slots."""
+    block_size = key_cache.shape[1]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+) -> torch.Tensor:
+    """``[num_seqs, max_len, num_kv_heads, head_dim]``: each sequence's tokens, padded."""
+    num_seqs = block_tables.shape[0]
+    block_size = cache.shape[1]
+    num_blocks = -(-max_len // block_size)
+    gathered = cache[block_tables[:, :num_blocks]]  # [S, nb, bs, kvh, hd]
+    return gathered.reshape(num_seqs, num_blocks * block_size, *cache.shape[2:])[:, :max_len]
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attends to its whole context.
+
+    query ``[num_seqs, num_heads, head_dim]``; block_tables ``[num_seqs, max_blocks]`` (padding
+    entries must be valid block ids; they are masked); context_lens ``[num_seqs]`` (including
+    the query token, whose KV is already written). Returns ``[num_seqs, num_heads, head_dim]``.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    max_len = int(context_lens.max()) if max_context_len is None else max_context_len
+    keys = gather_kv(key_cache, block_tables, max_len)  # [S, L, kvh, hd]
+    values = gather_kv(value_cache, block_tables, max_len)
+    group = num_heads // num_kv_heads
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).to(keys.dtype)
+    # [S, kvh, g, L]: one batched matmul per KV head group (GQA without repeating KV).
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale
+    positions = torch.arange(max_len, device=query.device)
+    pad = positions[None, :] >= context_lens[:, None]  # [S, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [S, kvh, g, hd]
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal self-attention of ``q_len`` queries over the last ``q_len`` of ``kv_len`` keys.
+
+    query ``[q_len, num_heads, head_dim]``, key/value ``[kv_len, num_kv_heads, head_dim]``;
+    query ``i`` sits at position ``kv_len - q_len + i``.
+    """
+    q_len, kv_len = query.shape[0], key.shape[0]
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    k = key.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    v = value.transpose(0, 1).unsqueeze(0).to(q.dtype)
+    if q_len == kv_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        rows = torch.arange(q_len, device=query.device)[:, None] + (kv_len - q_len)
+        mask = torch.arange(kv_len, device=query.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill (or a chunk of it) over a cached prefix, for several sequences packed together.
+
+    query ``[num_tokens, num_heads, head_dim]`` holds sequence ``i``'s queries at
+    ``query_start_loc[i]:query_start_loc[i+1]``; they are the last tokens of its
+    ``context_lens[i]`` tokens, all of whose KV is already in the cache. The sequences are padded
+    into one batch so that a single attention call serves them all.
+    """
+    num_seqs = context_lens.shape[0]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    max_q, max_ctx = int(q_lens.max()), int(context_lens.max())
+    keys = gather_kv(key_cache, block_tables, max_ctx).to(query.dtype)  # [S, C, kvh, hd]
+    values = gather_kv(value_cache, block_tables, max_ctx).to(query.dtype)
+    if num_seqs == 1 and max_q == max_ctx:  # one fresh prompt: plain causal attention
+        return causal_attention(query, keys[0], values[0], scale)
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), q_lens)
+    row_of_token = torch.arange(query.shape[0], device=query.device) - query_start_loc[seq_of_token]
+    padded = query.new_zeros(num_seqs, max_q, *query.shape[1:])
+    padded[seq_of_token, row_of_token] = query
+    # Query row i of sequence s sits at position ctx_s - q_s + i and sees keys up to there.
+    # Padding rows (i >= q_s) see only real keys, so no row is fully masked.
+    q_pos = (context_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)
+    k_pos = torch.arange(max_ctx, device=query.device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (
+        k_pos[None, None, :] < context_lens[:, None, None]
+    )
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    )  # [S, H, max_q, hd]
+    return out.transpose(1, 2)[seq_of_token, row_of_token]

@@ -1,0 +1,1 @@
+"""pdserve services: the engine and the gRPC workers around it."""

@@ -1,0 +1,1 @@
+"""The inference engine: model, paged KV block pool, scheduler, sampler (no I/O)."""

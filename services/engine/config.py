@@ -1,0 +1,135 @@
+"""Frozen configuration objects for the engine, one per component.
+
+Built once at the entry point (CLI flags / env vars) and passed down; nothing below reads the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def default_num_threads() -> int:
+    """The cores this process may run on (its CPU affinity), not the machine's core count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder, read from the model directory's config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = cfg.get("rope_parameters") or {}
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            max_position=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            # Qwen2 has biases on q/k/v only; Llama has none.
+            attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool: how many blocks of how many tokens."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+    # Host-memory blocks for swap preemption; 0 disables swapping.
+    num_swap_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"  # or "swap"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; one object built at the entry point."""
+
+    model: str | None = None  # HF directory, GGUF file, or None for the default model
+    dtype: str = "float32"
+    device: str = "cpu"
+    num_threads: int = field(default_factory=default_num_threads)
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,40 @@
+"""Incremental detokenization that never emits half a UTF-8 character.
+
+Decoding one token at a time breaks characters that span several byte-level tokens (emoji,
+CJK) and drops the leading space of word pieces. So each step decodes a short window of recent
+tokens twice, with and without the new ones, and emits the difference only once it no longer
+ends in the replacement character U+FFFD.
+"""
+
+from __future__ import annotations
+
+from services.engine.tokenizer import Tokenizer
+
+_CONTEXT_TOKENS = 5  # prompt tokens kept as left context for the first output tokens
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text deltas."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0  # window start
+        self._read_offset = len(self._ids)  # tokens before this are already in self.text
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        """Append one token; return the new text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        before = decode(self._ids[self._prefix_offset : self._read_offset], skip)
+        after = decode(self._ids[self._prefix_offset :], skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""  # an incomplete character, or a token that adds no text
+        delta = after[len(before) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

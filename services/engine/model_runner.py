@@ -1,0 +1,126 @@
+"""Owns the KV cache tensors and runs the model on a scheduled batch.
+
+KV layout: one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, so all
+of a block's layers are one contiguous piece (what KV transfer moves). Each layer sees strided
+``[num_blocks, block_size, num_kv_heads, head_dim]`` views of its keys and values.
+
+The runner never touches queues: it turns a ``ScheduledBatch`` into flat input tensors, performs
+the block copies the scheduler asked for, runs the model and returns the logits of the sequences
+that complete this step (in the order of the returned list).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.engine.model.llama import AttentionMetadata, LlamaModel
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+class ModelRunner:
+    """Runs ``model`` over the paged KV cache it owns."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        num_swap_blocks: int = 0,
+    ):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(num_blocks, *shape, dtype=dtype, device=self.device)
+        self.host_cache = torch.zeros(num_swap_blocks, *shape, dtype=dtype)
+        self.layer_caches = [
+            (self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1])
+            for layer in range(cfg.num_layers)
+        ]
+
+    def copy_blocks(self, batch: ScheduledBatch) -> None:
+        """Swap out, swap in, then copy-on-write: all before this step writes any KV."""
+        if batch.blocks_to_swap_out:
+            dev, host = zip(*batch.blocks_to_swap_out)
+            self.host_cache[list(host)] = self.kv_cache[list(dev)].cpu()
+        if batch.blocks_to_swap_in:
+            host, dev = zip(*batch.blocks_to_swap_in)
+            self.kv_cache[list(dev)] = self.host_cache[list(host)].to(self.device)
+        if batch.blocks_to_copy:
+            src, dst = zip(*batch.blocks_to_copy)
+            self.kv_cache[list(dst)] = self.kv_cache[list(src)]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """Logits ``[num_completed, vocab]`` and the sequences they belong to."""
+        self.copy_blocks(batch)
+        pairs = list(zip(batch.seqs, batch.num_tokens))
+        decodes = [(s, n) for s, n in pairs if n == 1]
+        prefills = [(s, n) for s, n in pairs if n != 1]
+        ordered = decodes + prefills
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        bs = self.block_size
+        for seq, num in ordered:
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start : start + num]
+            span = range(start, start + num)
+            positions += span
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            if start + num == seq.num_tokens:  # this step completes the sequence: sample
+                sample_rows.append(len(input_ids) - 1)
+                sample_seqs.append(seq)
+        meta = self._metadata(decodes, prefills, slots)
+        dev = self.device
+        hidden = self.model(
+            torch.tensor(input_ids, device=dev),
+            torch.tensor(positions, device=dev),
+            self.layer_caches,
+            meta,
+        )
+        if not sample_rows:
+            return hidden.new_empty(0, self.model.config.vocab_size), []
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])
+        return logits, sample_seqs
+
+    def _metadata(
+        self,
+        decodes: list[tuple[Sequence, int]],
+        prefills: list[tuple[Sequence, int]],
+        slots: list[int],
+    ) -> AttentionMetadata:
+        dev = self.device
+        decode_lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+        prefill_lens = [s.num_computed_tokens + n for s, n in prefills]
+        starts = [0]
+        for _, n in prefills:
+            starts.append(starts[-1] + n)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_tables([s for s, _ in decodes], decode_lens),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=dev),
+            decode_max_context_len=max(decode_lens, default=0),
+            prefill_block_tables=self._block_tables([s for s, _ in prefills], prefill_lens),
+            prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
+        )
+
+    def _block_tables(self, seqs: list[Sequence], lens: list[int]) -> torch.Tensor:
+        width = max((-(-n // self.block_size) for n in lens), default=0)
+        rows = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).view(len(seqs), width)

@@ -1,0 +1,133 @@
+"""From logits to next tokens, one row per sequence, each with its own SamplingParams.
+
+Order of operations: raw log-probabilities (returned with ``logprobs``) -> repetition, frequency
+and presence penalties -> greedy rows take the argmax -> temperature -> top-k, top-p, min-p ->
+a draw. Draws use the exponential-race trick (argmax of p / Exp(1)), which is equivalent to
+sampling from p and lets a seeded request use its own generator, so its output does not depend
+on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.engine.sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # sampled token and top alternatives, per row
+
+
+class Sampler:
+    """Samples one token per row of ``logits`` for the matching sequence."""
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        logits = logits.float()
+        params = [s.params for s in seqs]
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+        )
+        if any(p.needs_penalties for p in params):
+            logits = apply_penalties(logits, seqs)
+        greedy = torch.tensor([p.is_greedy for p in params])
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled_rows = (~greedy).nonzero().flatten().tolist()
+            sampled = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
+            tokens[sampled_rows] = sampled
+        token_list = tokens.tolist()
+        return SampleResult(token_list, _gather_logprobs(raw_logprobs, token_list, params))
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        params = [s.params for s in seqs]
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        logits = logits / temperature[:, None]
+        logits = apply_top_k_top_p_min_p(
+            logits,
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
+        )
+        probs = torch.softmax(logits, dim=-1)
+        noise = torch.empty_like(probs)
+        for i, seq in enumerate(seqs):
+            generator = seq.generator if seq.generator is not None else self.generator
+            noise[i].exponential_(generator=generator)
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition penalty (prompt and output, Hugging Face's rule) and OpenAI's frequency and
+    presence penalties (output only)."""
+    num_rows, vocab = logits.shape
+    out_counts = torch.zeros(num_rows, vocab)
+    seen = torch.zeros(num_rows, vocab, dtype=torch.bool)
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if not p.needs_penalties:
+            continue
+        output = torch.tensor(seq.output_token_ids, dtype=torch.long)
+        if output.numel():
+            out_counts[i].scatter_add_(0, output, torch.ones(output.numel()))
+        if p.repetition_penalty != 1:
+            seen[i, torch.tensor(seq.token_ids, dtype=torch.long)] = True
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs])[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    freq = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
+    presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
+    return logits - freq * out_counts - presence * (out_counts > 0).float()
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
+) -> torch.Tensor:
+    """Mask (to -inf) the tokens each row's top-k, top-p and min-p filters drop."""
+    use_k = any(k > 0 for k in top_k)
+    use_p = any(p < 1 for p in top_p)
+    use_min_p = any(m > 0 for m in min_p)
+    if not (use_k or use_p or use_min_p):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    vocab = logits.shape[-1]
+    if use_k:
+        k = torch.tensor([kk if kk > 0 else vocab for kk in top_k])
+        drop |= torch.arange(vocab)[None, :] >= k[:, None]
+    if use_p or use_min_p:
+        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+        if use_p:
+            # Drop a token when the tokens before it already reach top_p (the first always stays).
+            before = probs.cumsum(dim=-1) - probs
+            drop |= before >= torch.tensor(top_p)[:, None]
+        if use_min_p:
+            drop |= probs < torch.tensor(min_p)[:, None] * probs[:, :1]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _gather_logprobs(
+    raw: torch.Tensor | None, tokens: list[int], params: list
+) -> list[dict[int, float] | None]:
+    if raw is None:
+        return [None] * len(tokens)
+    result: list[dict[int, float] | None] = []
+    for i, (token, p) in enumerate(zip(tokens, params)):
+        if p.logprobs is None:
+            result.append(None)
+            continue
+        entry = {token: float(raw[i, token])}
+        if p.logprobs > 0:
+            values, ids = raw[i].topk(p.logprobs)
+            for v, t in zip(values.tolist(), ids.tolist()):
+                entry.setdefault(t, v)
+        result.append(entry)
+    return result

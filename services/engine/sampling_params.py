@@ -1,0 +1,77 @@
+"""Per-request sampling settings, validated on construction (the field is named in every error)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    The defaults are vLLM's: temperature 1.0 (set 0 for greedy), up to 16 new tokens.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return beside the sampled token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "must be in [0, 20]")
+        if any(not s for s in self.stop):
+            raise bad("stop", "must not contain empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )

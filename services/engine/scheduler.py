@@ -1,0 +1,205 @@
+"""Iteration-level (continuous) batching.
+
+One rule schedules both phases: each step, give every sequence tokens from the step's budget
+(``max_num_batched_tokens``) until ``num_computed_tokens == num_tokens``. Running sequences go
+first (decode before new prefills), oldest first; then swapped sequences come back; then waiting
+ones are admitted while the budget, ``max_num_seqs`` and free blocks allow. A prompt larger than
+what is left of the budget is split into chunks (chunked prefill) unless that is disabled.
+
+When a running sequence needs a block and none is free, the newest running sequence is
+preempted: its blocks are freed and it is recomputed later (default), or its blocks are copied
+to host memory and back (``preemption_mode="swap"``). Finished sequences leave at once.
+
+The scheduler never touches tensors: block copies are returned in the batch for the runner.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.engine.block_pool import BlockPool, HostBlockPool
+from services.engine.config import SchedulerConfig
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What one step computes: sequences with their token counts, and block copies to do first."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(num_tokens)
+
+
+class Scheduler:
+    """Decides, each step, which sequences compute how many tokens."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pool: BlockPool,
+        host_pool: HostBlockPool | None = None,
+        max_num_batched_tokens: int | None = None,
+    ):
+        self.config = config
+        self.pool = pool
+        self.host_pool = host_pool
+        self.token_budget = max_num_batched_tokens or config.max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self._host_tables: dict[int, list[int]] = {}  # seq_id -> host block ids
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.swapped)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    # ----- the step -------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.token_budget)
+        if batch.num_preempted == 0:
+            budget = self._schedule_swapped(batch, budget)
+            if not self.swapped:
+                self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not self.pool.can_append(seq, num_new):
+                victim = self.running.pop()  # the newest; never one already scheduled
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                batch.blocks_to_copy += self.pool.append_slots(seq, num_new)
+                batch.add(seq, num_new)
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+        assert self.host_pool is not None or not self.swapped
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            host_ids = self._host_tables[seq.seq_id]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_after = seq.num_computed_tokens + num_new
+            needed = max(len(host_ids), -(-num_after // self.pool.block_size))
+            if needed > self.pool.num_free_blocks:
+                break
+            self.swapped.popleft()
+            device_ids = self.pool.allocate_blocks(len(host_ids))
+            seq.block_table = device_ids
+            batch.blocks_to_swap_in += list(zip(host_ids, device_ids))
+            assert self.host_pool is not None
+            self.host_pool.free(self._host_tables.pop(seq.seq_id))
+            batch.blocks_to_copy += self.pool.append_slots(seq, num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        block_size = self.pool.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self.pool.find_cached_prefix(seq)
+            num_new = seq.num_tokens - len(prefix) * block_size
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.pool.can_allocate(seq, num_new, prefix):
+                break
+            self.waiting.popleft()
+            self.pool.allocate(seq, num_new, prefix)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_new)
+            budget -= num_new
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        batch.num_preempted += 1
+        self.num_preemptions += 1
+        host = self.host_pool
+        if (
+            self.config.preemption_mode == "swap"
+            and host is not None
+            and host.num_free_blocks >= len(seq.block_table)
+            and all(self.pool.ref_count(b) == 1 for b in seq.block_table)
+        ):
+            host_ids = host.allocate(len(seq.block_table))
+            batch.blocks_to_swap_out += list(zip(seq.block_table, host_ids))
+            self._host_tables[seq.seq_id] = host_ids
+            self.pool.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        # Recompute: drop the KV; the prompt and the tokens so far are computed again later
+        # (mostly prefix-cache hits when the blocks were not evicted meanwhile).
+        self.pool.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # ----- after the step -------------------------------------------------------------------
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance the counters of what was computed and index newly full blocks."""
+        for seq, num in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += num
+            self.pool.cache_full_blocks(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (n > 1) joins the batch."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire ``seq`` at once and free its blocks (device and host)."""
+        if seq.is_finished:
+            return
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            assert self.host_pool is not None
+            self.host_pool.free(self._host_tables.pop(seq.seq_id))
+        self.pool.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def sequences_of(self, request_id: str) -> list[Sequence]:
+        everything = [*self.running, *self.waiting, *self.swapped]
+        return [s for s in everything if s.request_id == request_id]

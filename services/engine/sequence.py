@@ -1,0 +1,106 @@
+"""One generation stream: its tokens and a few counters.
+
+Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (recompute) or
+RUNNING -> SWAPPED -> RUNNING (swap). The scheduler gives a sequence tokens from each step's
+budget until ``num_computed_tokens == num_tokens``; then the step samples its next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from services.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token ids (prompt then output) and how many of them are in the KV cache."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    index: int = 0  # which of the request's n outputs this is
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hits at the last admission
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    # n > 1: the first sequence computes the prompt and is forked into the others once.
+    num_forks_pending: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """A copy that shares everything computed so far (blocks are shared by the pool)."""
+        child = Sequence(
+            seq_id=seq_id,
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            arrival=self.arrival,
+            index=index,
+            token_ids=list(self.token_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            block_table=list(self.block_table),
+            block_hashes=list(self.block_hashes),
+            status=self.status,
+            logprobs=list(self.logprobs),
+        )
+        if self.params.seed is not None:
+            child.generator = torch.Generator().manual_seed(self.params.seed + index)
+        return child

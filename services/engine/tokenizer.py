@@ -1,0 +1,69 @@
+"""Text <-> token ids for a model directory (``tokenizer.json``), plus its chat template.
+
+Uses the ``tokenizers`` library directly: fast, and free of transformers' import time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from services.engine.model.gguf_convert import ModelLoadError
+
+
+class Tokenizer:
+    """A fast tokenizer with the model's special tokens and chat template."""
+
+    def __init__(self, model_dir: Path, extra_eos_token_ids: tuple[int, ...] = ()):
+        from tokenizers import Tokenizer as FastTokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.exists():
+            raise ModelLoadError(f"model directory {str(model_dir)!r} has no tokenizer.json")
+        self._tok = FastTokenizer.from_file(str(path))
+        config_path = Path(model_dir) / "tokenizer_config.json"
+        config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
+        eos = {self._tok.token_to_id(self.eos_token)} if self.eos_token else set()
+        self.eos_token_ids: frozenset[int] = frozenset(
+            t for t in eos | set(extra_eos_token_ids) if t is not None
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the model's own template (jinja2, sandboxed)."""
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use the completions API")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # older configs store AddedToken dicts
+        return value.get("content")
+    return value
