@@ -62,7 +62,17 @@ class LLM:
                 preemption_mode=preemption_mode,
             ),
         )
-        self.engine = LLMEngine(config, Path(cache_dir) if cache_dir else None)
+        self._start(config, Path(cache_dir) if cache_dir else None)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, cache_dir: Path | None = None) -> LLM:
+        """An LLM for an already built EngineConfig (what the CLI makes from its flags)."""
+        llm = cls.__new__(cls)
+        llm._start(config, cache_dir)
+        return llm
+
+    def _start(self, config: EngineConfig, cache_dir: Path | None) -> None:
+        self.engine = LLMEngine(config, cache_dir)
         self._next_id = 0
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]

@@ -1,0 +1,328 @@
+"""Triton kernels for the paged KV cache: the GPU path of ``kernels`` (dispatch in ``__init__``).
+
+Same signatures and semantics as ``kernels.reference`` (the oracle the tests compare against):
+
+* ``write_kv``: scatter each token's key/value into its cache slot.
+* ``paged_attention_decode``: one query per sequence over its whole paged context.
+* ``paged_attention_prefill``: packed variable-length causal chunks over a cached prefix.
+
+Cache views are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and may be strided (one layer
+of ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``), so every kernel takes
+explicit strides. Attention uses an online softmax (running max ``m``, running sum ``l``) in
+float32 and writes the output in the query's dtype. Token ``n`` of a sequence lives in block
+``block_table[n // BLOCK_SIZE]`` at offset ``n % BLOCK_SIZE``; a key tile may span several blocks,
+so each row of a tile looks up its own block id.
+
+Cache offsets are computed in int64: ``block_id * stride`` overflows int32 on a multi-GB cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634  # softmax uses exp2; scores are pre-scaled by log2(e)
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    """Smallest power of two >= max(n, floor) (``tl.arange`` needs power-of-two sizes)."""
+    return max(triton.next_power_of_2(max(int(n), 1)), floor)
+
+
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
+
+
+# --------------------------------------------------------------------------------------------
+# write_kv
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,  # key [num_tokens, kvh, hd]
+    stride_vt, stride_vh, stride_vd,  # value [num_tokens, kvh, hd]
+    stride_cb, stride_co, stride_ch, stride_cd,  # caches [num_blocks, block_size, kvh, hd]
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per token: store its [kvh, hd] key and value tiles at its slot."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (vLLM convention): nothing to store
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    dst = block * stride_cb + offset * stride_co + h * stride_ch + d * stride_cd
+    key = tl.load(key_ptr + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
+    tl.store(key_cache_ptr + dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
+    tl.store(value_cache_ptr + dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their slots.
+
+    Slots below zero are skipped (padding tokens); the reference has no such convention.
+    """
+    _check_cache(key_cache, value_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _write_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Shared tile loader
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr, table_row_ptr, stride_tb, n, n_mask, kv_head, d, d_mask,
+    stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE: tl.constexpr,
+):
+    """Gather tokens ``n`` (a [BLOCK_N] vector) of one KV head as a [BLOCK_N, BLOCK_D] tile."""
+    block = tl.load(table_row_ptr + (n // BLOCK_SIZE) * stride_tb, mask=n_mask, other=0)
+    row = block.to(tl.int64) * stride_cb + (n % BLOCK_SIZE) * stride_co + kv_head * stride_ch
+    ptrs = cache_ptr + row[:, None] + d[None, :] * stride_cd
+    return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_ts, stride_tb,
+    stride_os, stride_oh, stride_od,
+    qk_scale, max_len, group, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, KV head): its ``group`` query heads share each loaded KV tile.
+
+    Decode has one query row per head, too few for ``tl.dot`` (needs >= 16 rows), so scores and
+    outputs are broadcast-multiply-reduce over a [BLOCK_G, BLOCK_N, BLOCK_D] product in fp32.
+    """
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    ctx = tl.minimum(tl.load(ctx_ptr + seq), max_len)  # reference attends to <= max_len tokens
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_mask = g < group
+    d_mask = d < head_dim
+    heads = kv_head * group + g
+    q_ptrs = q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale  # [G, D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table_row = table_ptr + seq * stride_ts
+    for start in range(0, ctx, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < ctx
+        k = _load_kv_tile(k_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
+        v = _load_kv_tile(v_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
+        s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, N], log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every tile holds >= 1 valid key (start < ctx), so m_new is finite: no inf - inf.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [G, D]
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _decode_tile_tokens(block_g: int, block_d: int) -> int:
+    """Keys per tile: keep the [G, N, D] fp32 product near 4K elements (registers), N >= 16."""
+    return max(_pow2(4096 // (block_g * block_d)), 16)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """One query token per sequence attends to its whole context (see the reference).
+
+    ``max_context_len`` (if given) caps the attended length, as in the reference; it saves the
+    host sync of ``context_lens.max()``, which this kernel never needs.
+    """
+    _check_cache(key_cache, value_cache)
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads} KV heads")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_g, block_d = _pow2(group), _pow2(head_dim)
+    max_len = 2**31 - 1 if max_context_len is None else int(max_context_len)
+    _decode_kernel[(num_seqs, num_kv_heads)](
+        query, key_cache, value_cache, block_tables, context_lens, out,
+        *query.stride(), *key_cache.stride(), *block_tables.stride(), *out.stride(),
+        scale * _LOG2E, max_len, group, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_G=block_g,
+        BLOCK_N=_decode_tile_tokens(block_g, block_d), BLOCK_D=block_d,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Prefill
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``tl.dot`` with an fp32 accumulator; ``UPCAST`` computes it from fp32 copies instead.
+
+    ``UPCAST`` exists for the CPU interpreter only: it multiplies bfloat16 operands as their raw
+    uint16 bit patterns (triton 3.x), so bf16 tiles are widened first (exactly) there.
+    """
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, qstart_ptr, ctx_ptr, out_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_ts, stride_tb,
+    stride_ot, stride_oh, stride_od,
+    qk_scale, group, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One program per (sequence, tile of BLOCK_M queries, query head); causal online softmax.
+
+    Query ``i`` of a sequence sits at position ``context_len - q_len + i`` and sees keys
+    ``0..position``; the key loop stops at the tile's last position.
+    """
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(qstart_ptr + seq)
+    q_len = tl.load(qstart_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:  # the grid is sized for the longest chunk
+        return
+    ctx = tl.load(ctx_ptr + seq)
+    kv_head = head // group
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the chunk
+    pos = ctx - q_len + rows  # absolute position of each query
+    m_mask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    tokens = (q_start + rows).to(tl.int64)
+    q_ptrs = q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [M, D], input dtype for tl.dot
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = table_ptr + seq.to(tl.int64) * stride_ts
+    end = tl.minimum(ctx, ctx - q_len + tile * BLOCK_M + BLOCK_M)  # causal: last row's pos + 1
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < ctx
+        k = _load_kv_tile(k_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
+        v = _load_kv_tile(v_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
+        s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, DOT_UPCAST) * qk_scale
+        visible = n_mask[None, :] & (n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        # Key 0 is visible to every row (pos >= 0), so after the first tile m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pv = _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)  # P rounded like the reference
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_attention_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed causal prefill chunks over each sequence's cached prefix (see the reference).
+
+    One host sync (the longest chunk) sizes the grid.
+    """
+    _check_cache(key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of {num_kv_heads} KV heads")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_seqs = context_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = 16 if max_q_len <= 16 else 64  # tl.dot needs >= 16 rows; short chunks waste less
+    block_n = 32 if query.dtype == torch.float32 else 64  # fp32 tiles take twice the SRAM
+    # fp32 inputs: exact products, like the reference (tl.dot would default to TF32 on GPU).
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    grid = (num_seqs, triton.cdiv(max_q_len, block_m), num_heads)
+    _prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
+        *query.stride(), *key_cache.stride(), *block_tables.stride(), *out.stride(),
+        scale * _LOG2E, num_heads // num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_pow2(head_dim, floor=16), DOT_PRECISION=precision,
+        DOT_UPCAST=query.dtype == torch.bfloat16 and not query.is_cuda,  # interpreter, see _dot
+    )
+    return out

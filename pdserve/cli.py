@@ -1,0 +1,169 @@
+"""The ``pdserve`` command line.
+
+Every engine flag also reads an environment variable (``--max-num-seqs`` <- ``PDSERVE_MAX_NUM_SEQS``);
+a flag on the command line wins. Environment variables are read here, at the entry point only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_num_threads
+
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about paged attention:",
+    "def fibonacci(n):",
+    "Three reasons to split prefill from decode:",
+]
+
+
+def _env(name: str, default: object) -> object:
+    value = os.environ.get("PDSERVE_" + name.upper().replace("-", "_"))
+    if value is None:
+        return default
+    if isinstance(default, bool):
+        return value.lower() in ("1", "true", "yes", "on")
+    return type(default)(value) if default is not None else value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags that build an EngineConfig (shared by every command that runs the engine)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=_env("model", None),
+                   help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default=_env("dtype", "float32"),
+                   choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=_env("threads", default_num_threads()),
+                   help="torch threads for this process (default: the cores it may run on)")
+    g.add_argument("--block-size", type=int, default=_env("block_size", 16))
+    g.add_argument("--num-blocks", type=int, default=_env("num_blocks", None),
+                   help="KV blocks in the pool (default: from --kv-cache-memory)")
+    g.add_argument("--kv-cache-memory", type=int, default=_env("kv_cache_memory", 1 << 30),
+                   help="bytes for the KV pool when --num-blocks is not given")
+    g.add_argument("--num-swap-blocks", type=int, default=_env("num_swap_blocks", 0),
+                   help="host-memory blocks for swap preemption")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   default=_env("no_prefix_caching", False))
+    g.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 64))
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=_env("max_num_batched_tokens", 2048))
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   default=_env("no_chunked_prefill", False))
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"],
+                   default=_env("preemption_mode", "recompute"))
+    g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None))
+    g.add_argument("--seed", type=int, default=_env("seed", 0))
+    g.add_argument("--cache-dir", default=_env("cache_dir", None),
+                   help="where converted models are cached (default: ~/.cache/pdserve)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            enable_prefix_caching=not args.no_prefix_caching,
+            num_swap_blocks=args.num_swap_blocks,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            preemption_mode=args.preemption_mode,
+        ),
+    )
+
+
+def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from services.engine.llm import LLM
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    return LLM.from_config(engine_config_from_args(args), cache_dir)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from services.engine.sampling_params import SamplingParams
+
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("error: give prompts as arguments or on standard input", file=sys.stderr)
+        return 2
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_tokens=args.max_tokens, seed=args.sample_seed, n=args.n,
+        stop=args.stop or [], ignore_eos=args.ignore_eos,
+    )
+    llm = _build_llm(args)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        if args.json:
+            print(json.dumps({
+                "prompt": out.prompt,
+                "prompt_token_ids": out.prompt_token_ids,
+                "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
+                             "finish_reason": o.finish_reason} for o in out.outputs],
+            }))
+        else:
+            for o in out.outputs:
+                print(f"\n>>> {out.prompt}\n{o.text}\n[{o.finish_reason}, {len(o.token_ids)} tokens]")
+    if not args.json:
+        total = sum(len(o.token_ids) for out in outputs for o in out.outputs)
+        print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts offline and print the results")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--json", action="store_true", help="one JSON line per prompt, with token ids")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="the offline engine on a few prompts (what `make up` runs)")
+    add_engine_args(demo)
+    demo.set_defaults(func=lambda a: cmd_generate(_demo_args(a)))
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _demo_args(args: argparse.Namespace) -> argparse.Namespace:
+    args.prompt = DEMO_PROMPTS
+    args.max_tokens, args.temperature, args.top_p, args.top_k, args.n = 48, 0.0, 1.0, 0, 1
+    args.stop, args.ignore_eos, args.sample_seed, args.json = None, False, None, False
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

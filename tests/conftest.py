@@ -1,0 +1,48 @@
+"""Shared fixtures: one engine on the real default model, and the leak check every engine test ends with."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Triton kernels run under the interpreter on machines without a GPU; set before triton loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "Translate to French: I would like a cup of coffee.",
+    "List three primary colors:",
+    "The derivative of x^2 is",
+    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
+    "Paged attention stores the KV cache in fixed-size blocks so that",
+]
+
+
+def assert_no_leaks(engine) -> None:  # type: ignore[no-untyped-def]
+    """Every block is back in the pool (free or evictable cache) and the accounting holds."""
+    engine.pool.check_invariants()
+    assert not engine.has_unfinished_requests()
+    assert not engine.scheduler.has_unfinished
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks, (
+        f"{engine.pool.num_used_blocks} KV blocks leaked"
+    )
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model with a modest pool (8192 tokens); shared by the engine tests."""
+    from pdserve import LLM
+
+    return LLM(num_blocks=512, num_threads=2)
+
+
+@pytest.fixture
+def engine_llm(llm):
+    """``llm`` with a leak check after the test."""
+    yield llm
+    assert_no_leaks(llm.engine)
