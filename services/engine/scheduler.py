@@ -66,6 +66,7 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self._host_tables: dict[int, list[int]] = {}  # seq_id -> host block ids
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -161,6 +162,7 @@ class Scheduler:
             host_ids = host.allocate(len(seq.block_table))
             batch.blocks_to_swap_out += list(zip(seq.block_table, host_ids))
             self._host_tables[seq.seq_id] = host_ids
+            self.num_swapped_out += 1
             self.pool.free(seq)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
