@@ -28,9 +28,7 @@ def write_kv(
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
-def gather_kv(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """``[num_seqs, max_len, num_kv_heads, head_dim]``: each sequence's tokens, padded."""
     num_seqs = block_tables.shape[0]
     block_size = cache.shape[1]

@@ -1,7 +1,8 @@
 """The ``pdserve`` command line.
 
-Every engine flag also reads an environment variable (``--max-num-seqs`` <- ``PDSERVE_MAX_NUM_SEQS``);
-a flag on the command line wins. Environment variables are read here, at the entry point only.
+Every engine flag also reads an environment variable (``--max-num-seqs`` reads
+``PDSERVE_MAX_NUM_SEQS``); a flag on the command line wins. Environment variables are read
+here, at the entry point, and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_num_threads
 
@@ -23,44 +25,74 @@ DEMO_PROMPTS = [
 ]
 
 
-def _env(name: str, default: object) -> object:
-    value = os.environ.get("PDSERVE_" + name.upper().replace("-", "_"))
+def _env(name: str, default: Any) -> Any:
+    """The flag's default from ``PDSERVE_<NAME>`` (argparse applies the flag's type to it)."""
+    value = os.environ.get("PDSERVE_" + name.upper())
     if value is None:
         return default
     if isinstance(default, bool):
         return value.lower() in ("1", "true", "yes", "on")
-    return type(default)(value) if default is not None else value
+    return value
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags that build an EngineConfig (shared by every command that runs the engine)."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=_env("model", None),
-                   help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default=_env("dtype", "float32"),
-                   choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads", type=int, default=_env("threads", default_num_threads()),
-                   help="torch threads for this process (default: the cores it may run on)")
+    g.add_argument(
+        "--model",
+        default=_env("model", None),
+        help="HF directory or GGUF file (default: SmolLM2-135M-Instruct)",
+    )
+    g.add_argument(
+        "--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"]
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=_env("threads", default_num_threads()),
+        help="torch threads for this process (default: the cores it may run on)",
+    )
     g.add_argument("--block-size", type=int, default=_env("block_size", 16))
-    g.add_argument("--num-blocks", type=int, default=_env("num_blocks", None),
-                   help="KV blocks in the pool (default: from --kv-cache-memory)")
-    g.add_argument("--kv-cache-memory", type=int, default=_env("kv_cache_memory", 1 << 30),
-                   help="bytes for the KV pool when --num-blocks is not given")
-    g.add_argument("--num-swap-blocks", type=int, default=_env("num_swap_blocks", 0),
-                   help="host-memory blocks for swap preemption")
-    g.add_argument("--no-prefix-caching", action="store_true",
-                   default=_env("no_prefix_caching", False))
+    g.add_argument(
+        "--num-blocks",
+        type=int,
+        default=_env("num_blocks", None),
+        help="KV blocks in the pool (default: from --kv-cache-memory)",
+    )
+    g.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=_env("kv_cache_memory", 1 << 30),
+        help="bytes for the KV pool when --num-blocks is not given",
+    )
+    g.add_argument(
+        "--num-swap-blocks",
+        type=int,
+        default=_env("num_swap_blocks", 0),
+        help="host-memory blocks for swap preemption",
+    )
+    g.add_argument(
+        "--no-prefix-caching", action="store_true", default=_env("no_prefix_caching", False)
+    )
     g.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 64))
-    g.add_argument("--max-num-batched-tokens", type=int,
-                   default=_env("max_num_batched_tokens", 2048))
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   default=_env("no_chunked_prefill", False))
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"],
-                   default=_env("preemption_mode", "recompute"))
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048)
+    )
+    g.add_argument(
+        "--no-chunked-prefill", action="store_true", default=_env("no_chunked_prefill", False)
+    )
+    g.add_argument(
+        "--preemption-mode",
+        choices=["recompute", "swap"],
+        default=_env("preemption_mode", "recompute"),
+    )
     g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None))
     g.add_argument("--seed", type=int, default=_env("seed", 0))
-    g.add_argument("--cache-dir", default=_env("cache_dir", None),
-                   help="where converted models are cached (default: ~/.cache/pdserve)")
+    g.add_argument(
+        "--cache-dir",
+        default=_env("cache_dir", None),
+        help="where converted models are cached (default: ~/.cache/pdserve)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -103,9 +135,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("error: give prompts as arguments or on standard input", file=sys.stderr)
         return 2
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_tokens=args.max_tokens, seed=args.sample_seed, n=args.n,
-        stop=args.stop or [], ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sample_seed,
+        n=args.n,
+        stop=args.stop or [],
+        ignore_eos=args.ignore_eos,
     )
     llm = _build_llm(args)
     start = time.perf_counter()
@@ -113,15 +150,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     for out in outputs:
         if args.json:
-            print(json.dumps({
-                "prompt": out.prompt,
-                "prompt_token_ids": out.prompt_token_ids,
-                "outputs": [{"index": o.index, "text": o.text, "token_ids": o.token_ids,
-                             "finish_reason": o.finish_reason} for o in out.outputs],
-            }))
+            print(
+                json.dumps(
+                    {
+                        "prompt": out.prompt,
+                        "prompt_token_ids": out.prompt_token_ids,
+                        "outputs": [
+                            {
+                                "index": o.index,
+                                "text": o.text,
+                                "token_ids": o.token_ids,
+                                "finish_reason": o.finish_reason,
+                            }
+                            for o in out.outputs
+                        ],
+                    }
+                )
+            )
         else:
             for o in out.outputs:
-                print(f"\n>>> {out.prompt}\n{o.text}\n[{o.finish_reason}, {len(o.token_ids)} tokens]")
+                print(
+                    f"\n>>> {out.prompt}\n{o.text}\n[{o.finish_reason}, {len(o.token_ids)} tokens]"
+                )
     if not args.json:
         total = sum(len(o.token_ids) for out in outputs for o in out.outputs)
         print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)")

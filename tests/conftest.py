@@ -1,4 +1,4 @@
-"""Shared fixtures: one engine on the real default model, and the leak check every engine test ends with."""
+"""Shared fixtures: an engine on the real default model, and the leak check engine tests use."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Chained hashes of full KV blocks: the one key shared by the prefix cache, KV transfer and routing.
+"""Chained hashes of full KV blocks: one key for the prefix cache, KV transfer and routing.
 
 A block's hash covers its parent's hash and its own token ids, so equal hashes mean equal prefixes.
 blake2b (not Python's ``hash``) keeps the value identical across processes and machines.

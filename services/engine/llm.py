@@ -122,7 +122,7 @@ class LLM:
         return [finished[i] for i in ids]
 
 
-def _as_prompt_list(prompts: object) -> list[str] | list[list[int]]:
+def _as_prompt_list(prompts: object) -> list[str | list[int]]:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):

@@ -69,14 +69,16 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir, mcfg.eos_token_ids)
         cache = config.cache
         num_blocks = cache.num_blocks or max(
-            1, cache.kv_cache_memory_bytes // kv_bytes_per_block(
-                self.model, cache.block_size, config.torch_dtype
-            )
+            1,
+            cache.kv_cache_memory_bytes
+            // kv_bytes_per_block(self.model, cache.block_size, config.torch_dtype),
         )
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # A sequence alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(
-            mcfg.max_position, config.max_model_len or mcfg.max_position, num_blocks * cache.block_size
+            mcfg.max_position,
+            config.max_model_len or mcfg.max_position,
+            num_blocks * cache.block_size,
         )
         sched = config.scheduler
         budget = sched.max_num_batched_tokens
@@ -85,7 +87,11 @@ class LLMEngine:
         host_pool = HostBlockPool(cache.num_swap_blocks) if cache.num_swap_blocks else None
         self.scheduler = Scheduler(sched, self.pool, host_pool, budget)
         self.runner = ModelRunner(
-            self.model, num_blocks, cache.block_size, config.torch_dtype, config.device,
+            self.model,
+            num_blocks,
+            cache.block_size,
+            config.torch_dtype,
+            config.device,
             cache.num_swap_blocks,
         )
         self.sampler = Sampler(config.seed)
@@ -123,8 +129,12 @@ class LLMEngine:
 
     def _new_sequence(self, request: _Request, index: int) -> Sequence:
         seq = Sequence(
-            next(self._seq_ids), request.request_id, request.prompt_token_ids, request.params,
-            arrival=time.monotonic(), index=index,
+            next(self._seq_ids),
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            arrival=time.monotonic(),
+            index=index,
         )
         if request.params.seed is not None:
             seq.generator = torch.Generator().manual_seed(request.params.seed + index)

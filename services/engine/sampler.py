@@ -33,7 +33,9 @@ class Sampler:
         logits = logits.float()
         params = [s.params for s in seqs]
         raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if any(p.logprobs is not None for p in params) else None
+            torch.log_softmax(logits, dim=-1)
+            if any(p.logprobs is not None for p in params)
+            else None
         )
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)

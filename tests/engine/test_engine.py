@@ -86,7 +86,9 @@ def test_stop_string_truncates_text(engine_llm, reference):
     full = tokenizer.decode(reference[0])
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), "pick a stop string with visible characters"
-    [out] = engine_llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop]))
+    [out] = engine_llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    )
     o = out.outputs[0]
     assert o.finish_reason == "stop" and o.stop_reason == stop
     assert o.text == full[: full.index(stop)]
@@ -119,7 +121,9 @@ def test_logprobs_are_raw_log_softmax_with_alternatives(engine_llm, reference):
 
 def test_token_id_prompts_and_per_prompt_params(engine_llm, reference):
     ids = engine_llm.get_tokenizer().encode(PROMPTS[0])
-    outs = engine_llm.generate([ids, PROMPTS[1]], [GREEDY, SamplingParams(temperature=0, max_tokens=3)])
+    outs = engine_llm.generate(
+        [ids, PROMPTS[1]], [GREEDY, SamplingParams(temperature=0, max_tokens=3)]
+    )
     assert outs[0].outputs[0].token_ids == reference[0]
     assert outs[1].outputs[0].token_ids == reference[1][:3]
 

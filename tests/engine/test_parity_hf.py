@@ -37,8 +37,11 @@ def hf_reference(hf_model):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
             generated = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
             )
         outputs.append((ids[0].tolist(), generated[0, ids.shape[1] :].tolist()))
     return outputs

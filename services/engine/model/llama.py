@@ -88,7 +88,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         # q, k and v share one matmul.
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
@@ -200,7 +202,7 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up as this module keeps them."""
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up as this module does."""
         if self.config.tie_word_embeddings:  # to_empty() may have untied them
             self.lm_head.weight = self.embed_tokens.weight
         own = self.state_dict()
@@ -244,7 +246,12 @@ class LlamaModel(nn.Module):
             )
             put(dst + "mlp.down_proj.weight", get(mlp + "down_proj.weight"))
             put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight", get(src + "post_attention_layernorm.weight"))
-        missing = set(own) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+            put(
+                dst + "post_attention_layernorm.weight",
+                get(src + "post_attention_layernorm.weight"),
+            )
+        missing = (
+            set(own) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set())
+        )
         if missing:
             raise ValueError(f"weights not loaded: {sorted(missing)[:5]}")

@@ -59,7 +59,8 @@ def load_config(model_dir: Path) -> ModelConfig:
         raw = json.loads((model_dir / "config.json").read_text())
         return ModelConfig.from_hf_dict(raw)
     except (json.JSONDecodeError, KeyError) as exc:
-        raise ModelLoadError(f"{model_dir / 'config.json'} is not a valid model config: {exc}")
+        path = model_dir / "config.json"
+        raise ModelLoadError(f"{path} is not a valid model config: {exc}") from exc
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
