@@ -25,6 +25,9 @@ class Tokenizer:
         config_path = Path(model_dir) / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
+        template_file = Path(model_dir) / "chat_template.jinja"  # where transformers 5 saves it
+        if not self.chat_template and template_file.exists():
+            self.chat_template = template_file.read_text()
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         eos = {self._tok.token_to_id(self.eos_token)} if self.eos_token else set()
