@@ -1,8 +1,9 @@
 """Owns the KV cache tensors and runs the model on a scheduled batch.
 
-KV layout: one tensor ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, so all
-of a block's layers are one contiguous piece (what KV transfer moves). Each layer sees strided
-``[num_blocks, block_size, num_kv_heads, head_dim]`` views of its keys and values.
+KV layout: one tensor ``[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]``, so all
+of a block's layers are one contiguous piece (what KV transfer moves), and within a layer each
+head's keys are contiguous (what CPU attention multiplies without a transposed copy). Each layer
+sees strided ``[num_blocks, block_size, num_kv_heads, head_dim]`` views of its keys and values.
 
 The runner never touches queues: it turns a ``ScheduledBatch`` into flat input tensors, performs
 the block copies the scheduler asked for, runs the model and returns the logits of the sequences
@@ -40,11 +41,12 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(num_blocks, *shape, dtype=dtype, device=self.device)
         self.host_cache = torch.zeros(num_swap_blocks, *shape, dtype=dtype)
+        # Kernels take [num_blocks, block_size, kv_heads, head_dim] views (any strides).
         self.layer_caches = [
-            (self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1])
+            (self.kv_cache[:, layer, 0].transpose(1, 2), self.kv_cache[:, layer, 1].transpose(1, 2))
             for layer in range(cfg.num_layers)
         ]
 
