@@ -7,7 +7,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean
+.PHONY: setup up test lint bench clean protos
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ up: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Regenerate the gRPC stubs from protos/pdserve.proto (tests fail when they are stale).
+protos: setup
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/pdserve.proto
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,1 @@
+"""gRPC API of pdserve (generated stubs: regenerate with `make protos`)."""
