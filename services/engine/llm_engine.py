@@ -27,7 +27,7 @@ from services.engine.outputs import CompletionOutput, RequestOutput
 from services.engine.sampler import Sampler
 from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import Scheduler
-from services.engine.sequence import FinishReason, Sequence
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.engine.stop_checker import check_stop_token, find_stop_string, num_held_back
 from services.engine.tokenizer import Tokenizer
 
@@ -43,6 +43,16 @@ class _SeqText:
 
 
 @dataclass
+class PullPlan:
+    """Blocks a decode worker must fill from the prefill worker before the request can run."""
+
+    request_id: str
+    block_indices: list[int]  # positions in the request's block table (and the KVHandle's)
+    dest_block_ids: list[int]  # this pool's blocks, in the same order
+    num_cached_tokens: int  # prompt tokens this pool already held (prefix cache)
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt: str | None
@@ -50,6 +60,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     texts: dict[int, _SeqText] = field(default_factory=dict)
+    pin_blocks: bool = False  # prefill-only: keep the prompt's blocks after the first token
 
     @property
     def finished(self) -> bool:
@@ -97,23 +108,41 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
+        self._pinned: dict[str, Sequence] = {}  # prefill-only requests holding their blocks
+        self._pulling: dict[str, Sequence] = {}  # decode side: blocks reserved, KV in flight
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        pin_blocks: bool = False,
     ) -> None:
-        """Queue a request; raises ValueError naming the bad field (nothing is allocated)."""
+        """Queue a request; raises ValueError naming the bad field (nothing is allocated).
+
+        ``pin_blocks`` (prefill workers): stop after the first token and keep the prompt's KV
+        blocks until ``release_pinned``; the output carries their ids in ``kv_block_ids``.
+        """
         params = params or SamplingParams()
+        if pin_blocks and params.n != 1:
+            raise ValueError("n must be 1 for a prefill-only request")
+        request = self._new_request(request_id, prompt, params)
+        request.pin_blocks = pin_blocks
+        seq = self._new_sequence(request, index=0)
+        seq.num_forks_pending = params.n - 1
+        self._requests[request_id] = request
+        self.scheduler.add(seq)
+
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> _Request:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(token_ids)
-        request = _Request(request_id, text, token_ids, params)
-        seq = self._new_sequence(request, index=0)
-        seq.num_forks_pending = params.n - 1
-        self._requests[request_id] = request
-        self.scheduler.add(seq)
+        return _Request(request_id, text, token_ids, params)
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -155,6 +184,10 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        pulling = self._pulling.pop(request_id, None)
+        if pulling is not None:  # reserved for a pull, not yet in the scheduler
+            self.pool.free(pulling)
+            pulling.status = SequenceStatus.FINISHED
         for seq in request.seqs:
             self.scheduler.finish(seq, FinishReason.ABORT)
         output = self._output(request)
@@ -186,9 +219,15 @@ class LLMEngine:
         sampled = self.sampler(logits[rows], seqs)
         touched: dict[str, _Request] = {}
         for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
-            seq.append_token(token, logprobs)
             request = self._requests[seq.request_id]
-            self._process_token(request, seq)
+            if seq.forced_token is not None:
+                self._append_forced(request, seq)
+            else:
+                seq.append_token(token, logprobs)
+                self._process_token(request, seq)
+            if request.pin_blocks and not seq.is_finished:
+                self.scheduler.detach(seq)
+                self._pinned[request.request_id] = seq
             touched[request.request_id] = request
         outputs = [self._output(r) for r in touched.values()]
         for out in outputs:
@@ -229,6 +268,103 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             seq.stop_reason = stop_token
 
+    # ----- disaggregation: prefill side ---------------------------------------------------
+    def release_pinned(self, request_id: str) -> bool:
+        """Free a prefill-only request's pinned blocks; False if it holds none (any more)."""
+        seq = self._pinned.pop(request_id, None)
+        if seq is None:
+            return False
+        self.pool.free(seq)
+        return True
+
+    @property
+    def num_pinned_requests(self) -> int:
+        return len(self._pinned)
+
+    # ----- disaggregation: decode side ----------------------------------------------------
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        first_logprobs: dict[int, float] | None = None,
+    ) -> RequestOutput | None:
+        """Register a request whose prompt was computed elsewhere; ``reserve_pull`` comes next.
+
+        Returns the final output at once when the first token alone ends the request.
+
+        The first token, sampled by the prefill worker, counts as already streamed. With n > 1
+        the last prompt token is computed here, so the other sequences can draw their own first
+        token from its logits, while sequence 0 keeps the one it was given.
+        """
+        request = self._new_request(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request, index=0)
+        if params.n > 1:
+            seq.forced_token, seq.forced_logprobs = first_token, first_logprobs
+            seq.num_forks_pending = params.n - 1
+        else:
+            self._append_forced(request, seq, first_token, first_logprobs)
+        if seq.is_finished:  # the first token alone ended it; nothing to pull
+            return self._output(request)
+        self._requests[request_id] = request
+        self._pulling[request_id] = seq
+        return None
+
+    def reserve_pull(self, request_id: str) -> PullPlan | None:
+        """Reserve blocks for the prompt's KV (None: no room yet, try again after a step).
+
+        Blocks this pool already holds in its prefix cache are taken as they are; the plan
+        lists only the others, which must be filled by ``commit_pull``.
+        """
+        seq = self._pulling[request_id]
+        num_kv_tokens = seq.num_tokens - 1  # the last token is computed here, in the batch
+        prefix = self.pool.find_cached_prefix(seq)
+        num_new = num_kv_tokens - len(prefix) * self.pool.block_size
+        if not seq.block_table:
+            if not self.pool.can_allocate(seq, num_new, prefix):
+                return None
+            self.pool.allocate(seq, num_new, prefix)
+        first = len(prefix)
+        indices = list(range(first, len(seq.block_table)))
+        return PullPlan(
+            request_id, indices, [seq.block_table[i] for i in indices], seq.num_computed_tokens
+        )
+
+    def commit_pull(self, plan: PullPlan, blocks: torch.Tensor) -> None:
+        """Write pulled (and verified) blocks into the cache; the request joins the batch."""
+        seq = self._pulling.pop(plan.request_id)
+        if plan.dest_block_ids:
+            dest = torch.tensor(plan.dest_block_ids, device=self.runner.kv_cache.device)
+            self.runner.kv_cache[dest] = blocks.to(self.runner.kv_cache)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.pool.cache_full_blocks(seq)
+        self.scheduler.add_running(seq)
+
+    def recompute_pull(self, request_id: str) -> None:
+        """The pull failed: drop the reserved blocks and compute the prompt here instead."""
+        seq = self._pulling.pop(request_id)
+        self.pool.free(seq)
+        seq.num_computed_tokens = 0
+        self.scheduler.add(seq)
+
+    def _append_forced(
+        self,
+        request: _Request,
+        seq: Sequence,
+        token: int | None = None,
+        logprobs: dict[int, float] | None = None,
+    ) -> None:
+        """Append a token sampled by the prefill worker; it was streamed already."""
+        if token is None:
+            token, logprobs = seq.forced_token, seq.forced_logprobs
+            seq.forced_token = seq.forced_logprobs = None
+        assert token is not None
+        seq.append_token(token, logprobs)
+        self._process_token(request, seq)
+        state = request.texts[seq.seq_id]
+        state.num_emitted_chars, state.num_emitted_tokens = len(state.text), seq.num_output_tokens
+
     def _output(self, request: _Request) -> RequestOutput:
         outputs = []
         for seq in request.seqs:
@@ -252,11 +388,17 @@ class LLMEngine:
             state.num_emitted_chars = max(state.num_emitted_chars, visible)
             state.num_emitted_tokens = len(tokens)
         outputs.sort(key=lambda o: o.index)
+        pinned = self._pinned.get(request.request_id)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=outputs,
-            finished=request.finished,
+            finished=request.finished or pinned is not None,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
+            kv_block_ids=self._prompt_blocks(pinned) if pinned is not None else None,
         )
+
+    def _prompt_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks holding the prompt's KV (the sampled token's KV was never computed)."""
+        return seq.block_table[: -(-seq.num_prompt_tokens // self.pool.block_size)]

@@ -32,3 +32,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Prefill-only requests: the blocks holding the prompt's KV, pinned until released.
+    kv_block_ids: list[int] | None = None

@@ -186,13 +186,18 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
+    def detach(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch without freeing its blocks (pinning)."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire ``seq`` at once and free its blocks (device and host)."""
         if seq.is_finished:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)

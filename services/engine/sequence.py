@@ -50,6 +50,10 @@ class Sequence:
     generator: torch.Generator | None = None
     # n > 1: the first sequence computes the prompt and is forked into the others once.
     num_forks_pending: int = 0
+    # Disaggregated n > 1: the token the prefill worker already sampled for this sequence is
+    # taken instead of sampling when the last prompt token is computed here.
+    forced_token: int | None = None
+    forced_logprobs: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
