@@ -43,10 +43,14 @@ def main() -> int:
 
     dtype = getattr(torch, args.dtype)
     scale = HEAD_DIM**-0.5
-    print(f"decode, {torch.cuda.get_device_name()}, {args.dtype}, "
-          f"{NUM_HEADS}/{NUM_KV_HEADS} heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE}")
-    print(f"{'batch':>5} {'context':>7} {'reference us':>12} {'triton us':>9} "
-          f"{'speedup':>7} {'max err':>8}")
+    print(
+        f"decode, {torch.cuda.get_device_name()}, {args.dtype}, "
+        f"{NUM_HEADS}/{NUM_KV_HEADS} heads, head_dim {HEAD_DIM}, block {BLOCK_SIZE}"
+    )
+    print(
+        f"{'batch':>5} {'context':>7} {'reference us':>12} {'triton us':>9} "
+        f"{'speedup':>7} {'max err':>8}"
+    )
     for batch in BATCHES:
         for context in CONTEXTS:
             inputs = (*decode_inputs(batch, context, dtype), scale, context)
@@ -56,8 +60,10 @@ def main() -> int:
             err = (tri().float() - ref().float()).abs().max().item()
             t_ref = do_bench(ref, return_mode="median") * 1e3
             t_tri = do_bench(tri, return_mode="median") * 1e3
-            print(f"{batch:>5} {context:>7} {t_ref:>12.1f} {t_tri:>9.1f} "
-                  f"{t_ref / t_tri:>6.2f}x {err:>8.1e}")
+            print(
+                f"{batch:>5} {context:>7} {t_ref:>12.1f} {t_tri:>9.1f} "
+                f"{t_ref / t_tri:>6.2f}x {err:>8.1e}"
+            )
     return 0
 
 

@@ -103,12 +103,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=128, help="prompt length (tokens)")
     parser.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first")
-    parser.add_argument("--threads", type=int, default=default_threads(),
-                        help="torch threads; all usable cores unless set")
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"),
-                        help="where step_breakdown.json goes")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="torch threads; all usable cores unless set",
+    )
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)"
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("benchmarks/results"),
+        help="where step_breakdown.json goes",
+    )
     args = parser.parse_args(argv)
     args.batch_sizes = sorted({int(n) for n in args.batch_sizes.split(",") if n.strip()})
     if not args.batch_sizes or args.batch_sizes[0] < 1:
@@ -148,13 +157,17 @@ def machine_info(threads: int) -> dict[str, Any]:
 def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
     command = "python " + shlex.join(sys.argv)
     print(f"$ {command}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} "
-          f"usable, load avg {machine['load_avg_1m_at_start']}), torch {machine['torch']} "
-          f"({machine['torch_threads']} threads), "
-          f"python {machine['python']}")
-    print(f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, float32, greedy; "
-          f"context {args.context} tokens (+1 per step); {args.warmup} warm-up + "
-          f"{args.steps} timed decode steps per batch size")
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} "
+        f"usable, load avg {machine['load_avg_1m_at_start']}), torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), "
+        f"python {machine['python']}"
+    )
+    print(
+        f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, float32, greedy; "
+        f"context {args.context} tokens (+1 per step); {args.warmup} warm-up + "
+        f"{args.steps} timed decode steps per batch size"
+    )
     return command
 
 
@@ -242,8 +255,9 @@ def timed_step(engine: Any, timers: StepTimers, batch: int) -> dict[str, float]:
     return parts
 
 
-def measure(engine: Any, timers: StepTimers, args: argparse.Namespace, batch: int,
-            bar: tqdm) -> list[dict[str, float]]:
+def measure(
+    engine: Any, timers: StepTimers, args: argparse.Namespace, batch: int, bar: tqdm
+) -> list[dict[str, float]]:
     ids = start_decoding(engine, args, batch)
     steps = []
     for _ in range(args.steps):
@@ -305,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "step_breakdown.json"
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    data = {"command": command, "machine": machine, "config": config,
-            "results": {str(b): r for b, r in results.items()}}
+    data = {
+        "command": command,
+        "machine": machine,
+        "config": config,
+        "results": {str(b): r for b, r in results.items()},
+    }
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"saved {path}")
     return 0

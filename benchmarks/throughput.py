@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 PROMPTS = [
     "Answer with a single word and nothing else. Question: the capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""',
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "Translate to French: I would like a cup of coffee and a croissant, please.",
     "List three primary colors and explain why they are called primary:",
@@ -109,20 +109,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--batch-sizes", default="1,8,32,64",
-                        help="numbers of concurrent requests N, comma-separated")
+    parser.add_argument(
+        "--batch-sizes",
+        default="1,8,32,64",
+        help="numbers of concurrent requests N, comma-separated",
+    )
     parser.add_argument("--min-out", type=int, default=16, help="shortest output (tokens)")
     parser.add_argument("--max-out", type=int, default=256, help="longest output (tokens)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the output lengths")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
-    parser.add_argument("--threads", type=int, default=default_threads(),
-                        help="torch threads for both sides; all usable cores unless set")
-    parser.add_argument("--model", default=None,
-                        help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)")
-    parser.add_argument("--prefix-caching", action="store_true",
-                        help="let pdserve reuse cached prompt blocks (off: fair to transformers)")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"),
-                        help="where throughput.json and throughput.png go")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default_threads(),
+        help="torch threads for both sides; all usable cores unless set",
+    )
+    parser.add_argument(
+        "--model", default=None, help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)"
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="let pdserve reuse cached prompt blocks (off: fair to transformers)",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("benchmarks/results"),
+        help="where throughput.json and throughput.png go",
+    )
     args = parser.parse_args(argv)
     args.batch_sizes = sorted({int(n) for n in args.batch_sizes.split(",") if n.strip()})
     if not args.batch_sizes or args.batch_sizes[0] < 1:
@@ -167,14 +182,18 @@ def machine_info(threads: int) -> dict[str, Any]:
 def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
     command = "python " + shlex.join(sys.argv)
     print(f"$ {command}")
-    print(f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} "
-          f"usable, load avg {machine['load_avg_1m_at_start']}), torch {machine['torch']} "
-          f"({machine['torch_threads']} threads), "
-          f"transformers {machine['transformers']}, python {machine['python']}")
-    print(f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, float32, greedy; "
-          f"output lengths uniform in [{args.min_out}, {args.max_out}] (seed {args.seed}); "
-          f"median of {args.repeats}; pdserve prefix caching "
-          f"{'on' if args.prefix_caching else 'off'}")
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} "
+        f"usable, load avg {machine['load_avg_1m_at_start']}), torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), "
+        f"transformers {machine['transformers']}, python {machine['python']}"
+    )
+    print(
+        f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, float32, greedy; "
+        f"output lengths uniform in [{args.min_out}, {args.max_out}] (seed {args.seed}); "
+        f"median of {args.repeats}; pdserve prefix caching "
+        f"{'on' if args.prefix_caching else 'off'}"
+    )
     return command
 
 
@@ -247,13 +266,19 @@ def run_hf(hf_model: Any, pad_id: int, prompts: list[list[int]], lens: list[int]
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf_model.generate(
-            ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-            do_sample=False, pad_token_id=pad_id,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=pad_id,
         )
     elapsed = time.perf_counter() - start
     if out.shape != (len(prompts), ids.shape[1] + steps):
-        raise RuntimeError(f"transformers returned shape {tuple(out.shape)}, expected "
-                           f"{(len(prompts), ids.shape[1] + steps)}")
+        raise RuntimeError(
+            f"transformers returned shape {tuple(out.shape)}, expected "
+            f"{(len(prompts), ids.shape[1] + steps)}"
+        )
     return elapsed
 
 
@@ -280,14 +305,20 @@ def measure(
 def print_table(points: list[Point]) -> None:
     base = points[0]
     print()
-    print(f"{'N':>4} {'out tok':>8} {'pdserve tok/s':>14} {'HF tok/s':>9} {'ratio':>6} "
-          f"{'HF raw tok/s':>13} {f'pdserve vs N={base.n}':>17}")
+    print(
+        f"{'N':>4} {'out tok':>8} {'pdserve tok/s':>14} {'HF tok/s':>9} {'ratio':>6} "
+        f"{'HF raw tok/s':>13} {f'pdserve vs N={base.n}':>17}"
+    )
     for p in points:
-        print(f"{p.n:>4} {p.useful_tokens:>8} {p.pdserve_tps:>14.1f} {p.hf_tps:>9.1f} "
-              f"{p.pdserve_tps / p.hf_tps:>5.2f}x {p.hf_raw_tps:>13.1f} "
-              f"{p.pdserve_tps / base.pdserve_tps:>16.2f}x")
-    print("HF tok/s counts useful tokens sum(L_i); HF raw counts N * max(L_i) "
-          "(including steps spent on already-finished requests). ratio = pdserve / HF.")
+        print(
+            f"{p.n:>4} {p.useful_tokens:>8} {p.pdserve_tps:>14.1f} {p.hf_tps:>9.1f} "
+            f"{p.pdserve_tps / p.hf_tps:>5.2f}x {p.hf_raw_tps:>13.1f} "
+            f"{p.pdserve_tps / base.pdserve_tps:>16.2f}x"
+        )
+    print(
+        "HF tok/s counts useful tokens sum(L_i); HF raw counts N * max(L_i) "
+        "(including steps spent on already-finished requests). ratio = pdserve / HF."
+    )
 
 
 def point_json(p: Point, base: Point) -> dict[str, Any]:
@@ -304,8 +335,9 @@ def point_json(p: Point, base: Point) -> dict[str, Any]:
     }
 
 
-def save_json(path: Path, args: argparse.Namespace, header: dict[str, Any],
-              points: list[Point]) -> None:
+def save_json(
+    path: Path, args: argparse.Namespace, header: dict[str, Any], points: list[Point]
+) -> None:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     data = {**header, "config": config, "points": [point_json(p, points[0]) for p in points]}
     path.write_text(json.dumps(data, indent=2) + "\n")
@@ -321,8 +353,13 @@ def save_plot(path: Path, points: list[Point], title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.plot(ns, [p.pdserve_tps for p in points], "o-", label="pdserve (continuous batching)")
     ax.plot(ns, [p.hf_tps for p in points], "s-", label="transformers (static), useful tokens")
-    ax.plot(ns, [p.hf_raw_tps for p in points], "s--", alpha=0.5,
-            label="transformers (static), raw tokens N*max(L)")
+    ax.plot(
+        ns,
+        [p.hf_raw_tps for p in points],
+        "s--",
+        alpha=0.5,
+        label="transformers (static), raw tokens N*max(L)",
+    )
     if len(ns) > 1 and ns[-1] / ns[0] >= 8:
         ax.set_xscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
@@ -336,8 +373,11 @@ def save_plot(path: Path, points: list[Point], title: str) -> None:
     plt.close(fig)
 
 
-def warm_up(runners: dict[str, Callable[[list[list[int]], list[int]], float]],
-            prompts: list[list[int]], batch_sizes: list[int]) -> None:
+def warm_up(
+    runners: dict[str, Callable[[list[list[int]], list[int]], float]],
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+) -> None:
     """A tiny run (2 tokens each) per side and N: first calls at a new shape are slow."""
     for n in tqdm(batch_sizes, desc="warming up", unit="N", file=sys.stderr):
         batch = [prompts[i % len(prompts)] for i in range(n)]
@@ -356,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     llm = load_pdserve(args, [len(p) for p in prompts])
     torch.set_num_threads(args.threads)  # the same for both sides, whatever loading did
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
-        tokenizer.eos_token_id)
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id)
+    )
     runners = {
         "pdserve": lambda ps, ls: run_pdserve(llm, ps, ls),
         "transformers": lambda ps, ls: run_hf(hf_model, pad_id, ps, ls),
@@ -370,12 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table(points)
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    header = {"command": command, "machine": machine,
-              "prompt_lens": [len(p) for p in prompts]}
+    header = {"command": command, "machine": machine, "prompt_lens": [len(p) for p in prompts]}
     save_json(args.out_dir / "throughput.json", args, header, points)
-    title = (f"SmolLM2-135M float32, {machine['torch_threads']} threads, "
-             f"out len U[{args.min_out},{args.max_out}]" if args.model is None
-             else f"{args.model}, float32, {machine['torch_threads']} threads")
+    title = (
+        f"SmolLM2-135M float32, {machine['torch_threads']} threads, "
+        f"out len U[{args.min_out},{args.max_out}]"
+        if args.model is None
+        else f"{args.model}, float32, {machine['torch_threads']} threads"
+    )
     save_plot(args.out_dir / "throughput.png", points, title)
     print(f"saved {args.out_dir / 'throughput.json'} and {args.out_dir / 'throughput.png'}")
     return 0

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_num_threads
+from services.worker.config import WorkerConfig
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -118,6 +119,84 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def add_worker_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of a prefill / decode / colocated worker process."""
+    g = parser.add_argument_group("worker")
+    g.add_argument(
+        "--host", default=_env("host", "127.0.0.1"), help="bind address (0.0.0.0 in containers)"
+    )
+    g.add_argument(
+        "--advertise-host",
+        default=_env("advertise_host", None),
+        help="address peers use to reach this worker (default: --host)",
+    )
+    g.add_argument("--grpc-port", type=int, default=_env("grpc_port", 0), help="0: any free port")
+    g.add_argument(
+        "--metrics-port",
+        type=int,
+        default=_env("metrics_port", 0),
+        help="Prometheus /metrics port; 0: any free port, -1: off",
+    )
+    g.add_argument(
+        "--kv-transport", default=_env("kv_transport", "tcp"), choices=["tcp", "torch", "ucx"]
+    )
+    g.add_argument(
+        "--redis-url",
+        default=_env("redis_url", None),
+        help="registry; without it the worker does not register",
+    )
+    g.add_argument("--redis-prefix", default=_env("redis_prefix", "pdserve:"))
+    g.add_argument("--heartbeat-seconds", type=float, default=_env("heartbeat_seconds", 1.0))
+    g.add_argument("--ttl-seconds", type=float, default=_env("ttl_seconds", 5.0))
+    g.add_argument("--worker-id", default=_env("worker_id", None))
+    g.add_argument("--lease-seconds", type=float, default=_env("lease_seconds", 5.0))
+    g.add_argument("--pull-timeout-seconds", type=float, default=_env("pull_timeout_seconds", 10.0))
+    g.add_argument(
+        "--on-pull-failure",
+        choices=["recompute", "fail"],
+        default=_env("on_pull_failure", "recompute"),
+    )
+    g.add_argument(
+        "--no-verify-checksums", action="store_true", default=_env("no_verify_checksums", False)
+    )
+    g.add_argument("--max-pending-requests", type=int, default=_env("max_pending_requests", 256))
+    g.add_argument("--drain-seconds", type=float, default=_env("drain_seconds", 30.0))
+
+
+def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        role=role,
+        engine=engine_config_from_args(args),
+        host=args.host,
+        advertise_host=args.advertise_host,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        kv_transport=args.kv_transport,
+        redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix,
+        heartbeat_seconds=args.heartbeat_seconds,
+        ttl_seconds=args.ttl_seconds,
+        worker_id=args.worker_id,
+        cluster_token=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None,
+        lease_seconds=args.lease_seconds,
+        pull_timeout_seconds=args.pull_timeout_seconds,
+        on_pull_failure=args.on_pull_failure,
+        verify_checksums=not args.no_verify_checksums,
+        max_pending_requests=args.max_pending_requests,
+        drain_seconds=args.drain_seconds,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.worker.server import run_worker
+
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    run_worker(worker_config_from_args(args.command, args), cache_dir)
+    return 0
+
+
 def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from pathlib import Path
 
@@ -199,6 +278,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="the offline engine on a few prompts (what `make up` runs)")
     add_engine_args(demo)
     demo.set_defaults(func=lambda a: cmd_generate(_demo_args(a)))
+
+    for role, text in (
+        ("prefill", "a prefill worker: computes prompts, serves their KV blocks"),
+        ("decode", "a decode worker: pulls KV blocks, runs the continuous batch"),
+        ("colocated", "a worker doing both phases in one process (baseline and fallback)"),
+    ):
+        worker = sub.add_parser(role, help=text)
+        add_worker_args(worker)
+        add_engine_args(worker)
+        worker.set_defaults(func=cmd_worker)
 
     args = parser.parse_args(argv)
     try:

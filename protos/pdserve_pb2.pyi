@@ -55,7 +55,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "prefill_worker_id", "transport", "address", "block_ids", "num_tokens", "layout", "checksums", "block_hashes", "lease_expires_unix_ms", "fingerprint")
+    __slots__ = ("request_id", "prefill_worker_id", "transport", "address", "block_ids", "num_tokens", "layout", "checksums", "block_hashes", "lease_expires_unix_ms", "fingerprint", "release_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class KVHandle(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker_id: str
     transport: str
@@ -78,7 +79,8 @@ class KVHandle(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     lease_expires_unix_ms: int
     fingerprint: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lease_expires_unix_ms: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    release_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lease_expires_unix_ms: _Optional[int] = ..., fingerprint: _Optional[str] = ..., release_address: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -7,16 +7,16 @@ Settings go through a config file (mode 0600) so a password never shows in `ps`.
 
 Lifecycle::
 
-    RedisServer() --start()--> running (PING answers) --stop()--> stopped (process and temp dir gone)
-                                  |  ^
-                          restart()  start() again: same port, empty data (unless persisted)
+    RedisServer() --start()--> running (it answers) --stop()--> stopped (process, temp dir gone)
+    running --restart()--> running again on the same port, with empty data (unless persisted)
 
 `stop()` sends SIGTERM, then SIGKILL after `stop_timeout`, and finally kills the server's whole
 process group, so no child (e.g. a background save) is left behind. A server started from the main
 thread on Linux also gets SIGTERM when its parent process dies (PR_SET_PDEATHSIG), and any server
 still running at interpreter exit is stopped by a finalizer.
 
-This module needs only the standard library; readiness is checked with a raw RESP ``PING``.
+This module needs only the standard library; readiness is checked with a raw RESP ``INFO server``
+whose ``process_id`` must be the child's pid (so another server on the same port never passes).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
+from urllib.parse import quote
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,30 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _ping(port: int, timeout: float) -> bytes:
-    """Send a RESP PING to 127.0.0.1:port and return the first reply line (b'' if none)."""
+def _resp(*args: str) -> bytes:
+    """One command in RESP (the Redis wire protocol)."""
+    parts = [f"*{len(args)}\r\n".encode()]
+    for arg in args:
+        data = arg.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+def _server_pid(port: int, password: str | None, timeout: float) -> int | str:
+    """The ``process_id`` of the Redis answering on 127.0.0.1:port, or its error reply."""
+    request = (_resp("AUTH", password) if password else b"") + _resp("INFO", "server")
     with socket.create_connection((HOST, port), timeout=timeout) as sock:
-        sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-        return sock.recv(256).split(b"\r\n", 1)[0]
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(4096):
+            data += chunk
+            for line in data.split(b"\r\n"):
+                if line.startswith(b"-"):  # -NOAUTH, -WRONGPASS, -LOADING ...
+                    return line[1:].decode(errors="replace")
+            pid = data.partition(b"process_id:")[2].partition(b"\r\n")
+            if pid[1]:
+                return int(pid[0])
+    return "connection closed"
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -152,7 +172,7 @@ class RedisServer:
         """``redis://[:password@]127.0.0.1:PORT/0`` (the port is known once started)."""
         if self.port is None:
             raise RedisServerError("the server has no port yet: call start() first")
-        auth = f":{self.password}@" if self.password else ""
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
         return f"redis://{auth}{HOST}:{self.port}/0"
 
     @property
@@ -169,7 +189,7 @@ class RedisServer:
         return self._data_dir / "redis.log" if self._data_dir else None
 
     def start(self) -> RedisServer:
-        """Start the server and wait until it answers PING; raises RedisServerError if not."""
+        """Start the server and wait until it answers; raises RedisServerError if it does not."""
         if self.is_running:
             return self
         self.executable = self.executable or find_redis_server()
@@ -267,19 +287,20 @@ class RedisServer:
     def _wait_ready(self) -> None:
         assert self._proc is not None and self.port is not None
         deadline = time.monotonic() + self.startup_timeout
-        last = "no answer"
+        last: int | str = "no answer"
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise self._failure(f"exited with code {self._proc.returncode}")
-            try:
-                reply = _ping(self.port, timeout=0.5)
-                if reply.startswith((b"+PONG", b"-NOAUTH")):  # up (NOAUTH: password set)
-                    return
-                last = reply.decode(errors="replace") or "empty reply"
-            except OSError as exc:
+            try:  # ask for the pid: another server on the same port must not pass for ours
+                last = _server_pid(self.port, self.password, timeout=0.5)
+            except (OSError, ValueError) as exc:
                 last = str(exc)
+            if last == self._proc.pid:
+                return
             time.sleep(0.02)
-        raise self._failure(f"did not answer PING within {self.startup_timeout}s ({last})")
+        if isinstance(last, int):
+            last = f"the port is served by another process, pid {last}"
+        raise self._failure(f"did not answer within {self.startup_timeout}s ({last})")
 
     def _failure(self, what: str) -> RedisServerError:
         return RedisServerError(

@@ -15,9 +15,18 @@ def test_committed_stubs_are_fresh(tmp_path):
     (tmp_path / "protos").mkdir()
     shutil.copy(ROOT / "protos" / "pdserve.proto", tmp_path / "protos")
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
-         "--grpc_python_out=.", "--pyi_out=.", "protos/pdserve.proto"],
-        cwd=tmp_path, check=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            "--pyi_out=.",
+            "protos/pdserve.proto",
+        ],
+        cwd=tmp_path,
+        check=True,
     )
     for name in GENERATED:
         fresh = (tmp_path / "protos" / name).read_text()

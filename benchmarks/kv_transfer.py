@@ -1,0 +1,229 @@
+"""KV transfer throughput of each available transport vs a same-process memcpy, on loopback.
+
+For the default model's KV layout (SmolLM2-135M: 30 layers, 3 KV heads, head dim 64, block
+size 16, float32 = 720 KiB per block) and prompt lengths of 16..4096 tokens, a server in
+another process serves scattered blocks of its KV pool, and a client in this process pulls
+them; the reference is ``torch.index_select`` of the same blocks in this process (the gather a
+sender must do anyway: the physical limit of a copy). Reports the median of ``--repeats``
+pulls: milliseconds per transfer (compare with TTFT), GB/s, and the transport's time as a
+multiple of the memcpy time. Also times the per-block checksum (crc32 vs adler32).
+
+    python benchmarks/kv_transfer.py [--transports tcp torch ucx] [--tokens 16 64 256 1024 4096]
+
+Results go to ``benchmarks/results/kv_transfer-<time>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvtransfer import KVLayout, available_transports, make_client  # noqa: E402
+from kvtransfer.base import tensor_bytes  # noqa: E402
+from kvtransfer.testing import ServerProcess, ServerSpec, make_kv_cache  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def block_sets(tokens: list[int], num_blocks: int, seed: int) -> dict[int, list[int]]:
+    """Scattered block ids (as a paged pool hands them out) for each prompt length."""
+    rng = random.Random(seed)
+    return {n: rng.sample(range(num_blocks), -(-n // LAYOUT.block_size)) for n in tokens}
+
+
+def time_memcpy(
+    kv: torch.Tensor, sets: dict[int, list[int]], args: argparse.Namespace
+) -> dict[int, float]:
+    out = {}
+    for n, ids in sets.items():
+        index = torch.tensor(ids)
+        gather = functools.partial(torch.index_select, kv, 0, index)
+        if args.reuse_buffer:
+            gather = functools.partial(gather, out=LAYOUT.empty_blocks(len(ids)))
+        out[n] = median_seconds(gather, args.repeats, 2)
+    return out
+
+
+def time_transport(
+    transport: str, sets: dict[int, list[int]], args: argparse.Namespace, bar: tqdm
+) -> dict[int, float]:
+    spec = ServerSpec(
+        transport,
+        LAYOUT,
+        args.num_blocks,
+        seed=args.seed,
+        token="bench",
+        pins={f"r{n}": ids for n, ids in sets.items()},
+        num_threads=args.threads,
+    )
+    results: dict[int, float] = {}
+    with ServerProcess(spec) as server:
+
+        async def run() -> None:
+            client = make_client(transport, token="bench")
+            for n, ids in sets.items():
+                times = []
+                out = LAYOUT.empty_blocks(len(ids)) if args.reuse_buffer else None
+                for i in range(args.warmup + args.repeats):
+                    start = time.perf_counter()
+                    await client.pull(server.address, f"r{n}", ids, LAYOUT, 60.0, out=out)
+                    if i >= args.warmup:
+                        times.append(time.perf_counter() - start)
+                results[n] = statistics.median(times)
+                bar.update(1)
+            await client.close()
+
+        asyncio.run(run())
+    return results
+
+
+def map_list(fn: Callable[[memoryview], int], rows: list[memoryview]) -> list[int]:
+    return [fn(row) for row in rows]
+
+
+def time_checksums(kv: torch.Tensor) -> dict[str, float]:
+    """GB/s of crc32 and adler32 over 64 blocks (one per block, as block_checksums does)."""
+    rows = [tensor_bytes(row) for row in kv[:64]]
+    nbytes = sum(r.nbytes for r in rows)
+    speeds = {}
+    for name, fn in (("crc32", zlib.crc32), ("adler32", zlib.adler32)):
+        seconds = median_seconds(functools.partial(map_list, fn, rows), 5, 1)
+        speeds[name] = nbytes / seconds / 1e9
+    return speeds
+
+
+def print_table(rows: list[dict[str, Any]], transports: list[str]) -> None:
+    head = f"{'tokens':>6} {'blocks':>6} {'MiB':>8} | {'memcpy ms':>9} {'GB/s':>6}"
+    for t in transports:
+        head += f" | {t + ' ms':>9} {'GB/s':>6} {'x memcpy':>8}"
+    print(head)
+    print("-" * len(head))
+    for row in rows:
+        line = (
+            f"{row['tokens']:>6} {row['blocks']:>6} {row['bytes'] / 2**20:>8.1f} | "
+            f"{row['memcpy_s'] * 1e3:>9.3f} {row['memcpy_gbps']:>6.2f}"
+        )
+        for t in transports:
+            r = row["transports"][t]
+            line += f" | {r['seconds'] * 1e3:>9.3f} {r['gbps']:>6.2f} {r['x_memcpy']:>8.2f}"
+        print(line)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", nargs="+", default=list(available_transports()))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[16, 64, 256, 1024, 4096])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--num-blocks", type=int, default=512, help="KV pool size (blocks)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reuse-buffer",
+        action="store_true",
+        help="receive (and memcpy) into one preallocated tensor instead of a fresh one per pull",
+    )
+    args = parser.parse_args()
+    assert args.num_blocks * LAYOUT.block_size >= max(args.tokens), "pool too small"
+    return args
+
+
+def result_rows(
+    sets: dict[int, list[int]], memcpy: dict[int, float], timings: dict[str, dict[int, float]]
+) -> list[dict[str, Any]]:
+    rows = []
+    for n, ids in sets.items():
+        nbytes = len(ids) * LAYOUT.bytes_per_block
+        per_transport = {
+            t: {"seconds": s[n], "gbps": nbytes / s[n] / 1e9, "x_memcpy": s[n] / memcpy[n]}
+            for t, s in timings.items()
+        }
+        rows.append(
+            {
+                "tokens": n,
+                "blocks": len(ids),
+                "bytes": nbytes,
+                "memcpy_s": memcpy[n],
+                "memcpy_gbps": nbytes / memcpy[n] / 1e9,
+                "transports": per_transport,
+            }
+        )
+    return rows
+
+
+def save(args: argparse.Namespace, rows: list[dict[str, Any]], checksums: dict[str, float]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"kv_transfer-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    meta = {
+        "layout": LAYOUT.__dict__,
+        "bytes_per_block": LAYOUT.bytes_per_block,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "reuse_buffer": args.reuse_buffer,
+        "transports": args.transports,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "checksum_gbps": checksums}, indent=2))
+    print(f"saved {path}")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    kv = make_kv_cache(LAYOUT, args.num_blocks, args.seed)
+    sets = block_sets(args.tokens, args.num_blocks, args.seed)
+    memcpy = time_memcpy(kv, sets, args)
+    checksums = time_checksums(kv)
+    # ucx last: once ucxx is initialized, its progress thread stays in this process.
+    order = sorted(args.transports, key=lambda name: name == "ucx")
+    timings = {}
+    with tqdm(total=len(args.transports) * len(sets), desc="kv transfer", unit="size") as bar:
+        for transport in order:
+            bar.set_postfix_str(transport)
+            timings[transport] = time_transport(transport, sets, args, bar)
+    timings = {t: timings[t] for t in args.transports}
+    print(
+        f"\nKV transfer on loopback, {LAYOUT} ({LAYOUT.bytes_per_block} B/block), "
+        f"median of {args.repeats}, {args.threads} torch thread(s) per process, "
+        f"{'reused' if args.reuse_buffer else 'fresh'} output buffers"
+    )
+    rows = result_rows(sets, memcpy, timings)
+    print_table(rows, args.transports)
+    print("checksum speed (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in checksums.items()))
+    save(args, rows, checksums)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,457 @@
+"""The KV transfer contract: what moves, who serves it, who pulls it, and what can go wrong.
+
+The prefill worker P owns a :class:`BlockSource` (its pinned KV blocks) and runs one
+:class:`KVTransferServer`; the decode worker D runs one :class:`KVTransferClient` and *pulls*
+the blocks named in a KVHandle. A block is one contiguous row ``kv_cache[block_id]`` of shape
+:attr:`KVLayout.block_shape` (all layers, K and V), so a transfer moves whole rows.
+
+Lifecycle of one pull (:class:`TransferState`)::
+
+    PENDING ──▶ TRANSFERRING ──▶ DONE
+       │              │
+       └──────────────┴────────▶ FAILED (TransferError: refused | unknown_request | timeout |
+                                         size_mismatch | connection_lost | protocol | checksum)
+
+- PENDING: ``pull`` was called; the client connects and sends (token, request id, block ids).
+- TRANSFERRING: P accepted (token ok, blocks pinned, sizes agree, lease renewed) and bytes flow
+  straight into a tensor preallocated by the client.
+- DONE: every byte arrived; ``pull`` returns the tensor. FAILED: ``pull`` raises
+  :class:`TransferError` and returns nothing: there is never partial data.
+
+Server lifecycle: created ──start()──▶ serving ──stop()──▶ stopped. Client lifecycle: created
+──pull()*──▶ close(). Integrity is end to end: P computes :func:`block_checksums` when it pins
+the blocks, D calls :func:`verify_checksums` after the pull (or
+:meth:`KVTransferClient.pull_verified`, which does both).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import enum
+import hmac
+import math
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvtransfer.metrics import TransferMetrics, get_metrics
+
+FAILURE_REASONS = (
+    "refused",
+    "unknown_request",
+    "timeout",
+    "size_mismatch",
+    "connection_lost",
+    "protocol",
+    "checksum",
+    "internal",
+)
+
+
+class TransferState(enum.Enum):
+    """Where one pull is; see the module docstring for the transitions."""
+
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferError(Exception):
+    """A pull failed; ``reason`` is one of :data:`FAILURE_REASONS` (also the metrics label)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"KV transfer failed ({reason}): {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class ChecksumError(TransferError):
+    """Pulled bytes differ from what P pinned; ``block_index`` is the first bad block."""
+
+    def __init__(self, block_index: int, detail: str):
+        super().__init__("checksum", detail)
+        self.block_index = block_index
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape and dtype of one KV block; both ends of a transfer must agree on it."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        dims = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size)
+        if min(dims) <= 0:
+            raise ValueError(f"KVLayout dimensions must be positive, got {self}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype)
+        assert isinstance(dtype, torch.dtype)
+        return dtype
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """``(num_layers, 2, num_kv_heads, block_size, head_dim)``: one row of ``kv_cache``."""
+        return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def bytes_per_block(self) -> int:
+        itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
+        return math.prod(self.block_shape) * itemsize
+
+    def empty_blocks(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
+        """An uninitialized ``[num_blocks, *block_shape]`` tensor to receive into."""
+        return torch.empty((num_blocks, *self.block_shape), dtype=self.torch_dtype, device=device)
+
+
+@runtime_checkable
+class BlockSource(Protocol):
+    """The prefill side's pinned blocks, as the transfer server sees them.
+
+    Both methods may be called from a worker thread, concurrently with the engine; the blocks
+    they touch are pinned, so the engine does not write them.
+    """
+
+    def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous ``[len(block_ids), *block_shape]`` copy of the blocks.
+
+        Raises ``KeyError`` when ``request_id`` has no pinned blocks (unknown, released or
+        lease expired) or a block id is not one of them: the transfer is then refused.
+        """
+        ...
+
+    def renew_lease(self, request_id: str) -> bool:
+        """Extend the pin's lease while a pull is in progress; False if nothing is pinned."""
+        ...
+
+
+@runtime_checkable
+class BlockRowSource(BlockSource, Protocol):
+    """A BlockSource that can also lend its pinned rows without copying (zero-copy senders)."""
+
+    def block_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
+        """Contiguous views of the pinned rows, covering ``block_ids`` in order.
+
+        Consecutive ids may share one view (``kv_cache[a:b]``). Valid while the blocks stay
+        pinned; raises ``KeyError`` like :meth:`BlockSource.read_blocks`.
+        """
+        ...
+
+
+@dataclass
+class TransferStats:
+    """Plain per-endpoint counters (the same numbers also go to Prometheus)."""
+
+    num_ok: int = 0
+    num_failed: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def record_ok(self, num_bytes: int, seconds: float) -> None:
+        self.num_ok += 1
+        self.num_bytes += num_bytes
+        self.seconds += seconds
+
+    def record_failure(self, reason: str) -> None:
+        self.num_failed += 1
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+
+
+class _Endpoint:
+    """What servers and clients share: a transport name, stats and metrics."""
+
+    transport: str = "base"
+
+    def __init__(self, metrics: TransferMetrics | None):
+        self.stats = TransferStats()
+        self.metrics = metrics or get_metrics()
+
+    def _record_ok(self, num_bytes: int, seconds: float, direction: str) -> None:
+        self.stats.record_ok(num_bytes, seconds)
+        self.metrics.observe(self.transport, direction, num_bytes, seconds)
+
+    def _record_failure(self, reason: str) -> None:
+        self.stats.record_failure(reason)
+        self.metrics.fail(self.transport, reason)
+
+
+class KVTransferServer(_Endpoint, abc.ABC):
+    """Serves pinned blocks of ``source`` to clients that present ``token``.
+
+    Subclasses implement :meth:`start` / :meth:`stop`; for each request they call
+    :meth:`check_token` and :meth:`read_blocks` (the validation every transport shares) and,
+    after sending, :meth:`record_sent`. A failed pull is counted by whichever step failed.
+    """
+
+    def __init__(
+        self,
+        source: BlockSource,
+        layout: KVLayout,
+        token: str | None = None,
+        metrics: TransferMetrics | None = None,
+    ):
+        super().__init__(metrics)
+        self.source = source
+        self.layout = layout
+        self.token = token
+
+    @abc.abstractmethod
+    async def start(self, host: str = "127.0.0.1") -> str:
+        """Listen on ``host`` (an ephemeral port) and return the address to advertise."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop listening and drop open connections; idempotent."""
+
+    def check_token(self, token: str) -> None:
+        """Refuse (TransferError "refused", counted) a client whose token differs from ours."""
+        if not hmac.compare_digest(token.encode(), (self.token or "").encode()):
+            self._record_failure("refused")
+            raise TransferError("refused", "cluster token mismatch")
+
+    def read_blocks(
+        self, request_id: str, block_ids: list[int], bytes_per_block: int
+    ) -> torch.Tensor:
+        """Check the client's block size, renew the lease, gather the blocks (contiguous).
+
+        Raises TransferError (size_mismatch | unknown_request | internal), counted. Blocking:
+        transports call it from a worker thread for large transfers.
+        """
+        self._check_size(bytes_per_block)
+        try:
+            if not self.source.renew_lease(request_id):
+                raise KeyError(request_id)
+            blocks = self.source.read_blocks(request_id, block_ids)
+        except KeyError as exc:
+            raise self._unknown(request_id) from exc
+        if tuple(blocks.shape) != (len(block_ids), *self.layout.block_shape):
+            self._record_failure("internal")
+            raise TransferError("internal", f"source returned shape {tuple(blocks.shape)}")
+        return blocks.contiguous()
+
+    def block_rows(
+        self, request_id: str, block_ids: list[int], bytes_per_block: int
+    ) -> list[torch.Tensor] | None:
+        """Like :meth:`read_blocks` but zero-copy views of host memory when the source lends
+        them (:class:`BlockRowSource`); None when it cannot (then use :meth:`read_blocks`)."""
+        if not isinstance(self.source, BlockRowSource):
+            return None
+        self._check_size(bytes_per_block)
+        try:
+            if not self.source.renew_lease(request_id):
+                raise KeyError(request_id)
+            rows = self.source.block_rows(request_id, block_ids)
+        except KeyError as exc:
+            raise self._unknown(request_id) from exc
+        if any(row.device.type != "cpu" or not row.is_contiguous() for row in rows):
+            return None
+        return rows
+
+    def _check_size(self, bytes_per_block: int) -> None:
+        if bytes_per_block != self.layout.bytes_per_block:
+            self._record_failure("size_mismatch")
+            raise TransferError(
+                "size_mismatch",
+                f"client expects {bytes_per_block} bytes per block, server has "
+                f"{self.layout.bytes_per_block} ({self.layout})",
+            )
+
+    def _unknown(self, request_id: str) -> TransferError:
+        self._record_failure("unknown_request")
+        return TransferError("unknown_request", f"no pinned blocks for {request_id!r}")
+
+    def record_sent(self, num_bytes: int, seconds: float) -> None:
+        """Transports call this once every byte of a pull has been handed to the wire."""
+        self._record_ok(num_bytes, seconds, "sent")
+
+
+class KVTransferClient(_Endpoint, abc.ABC):
+    """Pulls blocks from servers; one client serves all of a decode worker's pulls.
+
+    :meth:`pull` owns the timeout, the metrics and the error mapping; a transport implements
+    :meth:`_pull_into`, which fills a preallocated tensor or raises. ``states`` maps the
+    request ids of pulls in flight to PENDING / TRANSFERRING; finished pulls leave it.
+    """
+
+    def __init__(
+        self,
+        token: str | None = None,
+        device: str = "cpu",
+        metrics: TransferMetrics | None = None,
+    ):
+        super().__init__(metrics)
+        self.token = token
+        self.device = torch.device(device)
+        self.states: dict[str, TransferState] = {}
+
+    async def pull(
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        layout: KVLayout,
+        timeout: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The blocks ``[len(block_ids), *layout.block_shape]``, or TransferError.
+
+        ``out`` (optional): a contiguous tensor of that shape and dtype to receive into, e.g. a
+        reused staging buffer (saves allocating and faulting in fresh pages per pull). After a
+        failure its contents are undefined: they are never returned as a result.
+        """
+        out = self._output(layout, len(block_ids), out)
+        self.states[request_id] = TransferState.PENDING
+        start = time.perf_counter()
+        try:
+            pulling = self._pull_into(address, request_id, block_ids, out, timeout)
+            await asyncio.wait_for(pulling, timeout)
+        except TransferError as exc:
+            self._fail(request_id, exc.reason)
+            raise
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            self._fail(request_id, "timeout")
+            detail = f"no complete answer from {address} in {timeout}s"
+            raise TransferError("timeout", detail) from exc
+        except (ConnectionError, EOFError, OSError) as exc:
+            self._fail(request_id, "connection_lost")
+            raise TransferError("connection_lost", f"{address}: {exc!r}") from exc
+        except Exception as exc:  # a bug or an unexpected library error: still a TransferError
+            self._fail(request_id, "internal")
+            raise TransferError("internal", f"{address}: {exc!r}") from exc
+        self.states.pop(request_id, None)
+        self._record_ok(out.numel() * out.element_size(), time.perf_counter() - start, "received")
+        return out
+
+    async def pull_verified(
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        layout: KVLayout,
+        timeout: float,
+        checksums: list[int],
+    ) -> torch.Tensor:
+        """:meth:`pull`, then :func:`verify_checksums` (ChecksumError is a TransferError)."""
+        blocks = await self.pull(address, request_id, block_ids, layout, timeout)
+        try:
+            verify_checksums(blocks, checksums)
+        except ChecksumError:
+            self._record_failure("checksum")
+            raise
+        return blocks
+
+    def _output(self, layout: KVLayout, num_blocks: int, out: torch.Tensor | None) -> torch.Tensor:
+        if out is None:
+            return layout.empty_blocks(num_blocks, self.device)
+        shape = (num_blocks, *layout.block_shape)
+        if tuple(out.shape) != shape or out.dtype != layout.torch_dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, need {shape} {layout.dtype}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        return out
+
+    def _fail(self, request_id: str, reason: str) -> None:
+        self.states.pop(request_id, None)
+        self._record_failure(reason)
+
+    def _mark_transferring(self, request_id: str) -> None:
+        """Transports call this once the server has accepted the request."""
+        self.states[request_id] = TransferState.TRANSFERRING
+
+    @abc.abstractmethod
+    async def _pull_into(
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        out: torch.Tensor,
+        timeout: float,
+    ) -> None:
+        """Fill ``out`` with the blocks, or raise (TransferError or a connection error).
+
+        :meth:`pull` cancels this coroutine after ``timeout``; blocking work that cannot be
+        cancelled (a thread) must itself give up within ``timeout``.
+        """
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close cached connections; idempotent."""
+
+
+def bytes_per_row(blocks: torch.Tensor) -> int:
+    """Bytes of one block of ``blocks`` (also when it holds zero blocks)."""
+    return math.prod(blocks.shape[1:]) * blocks.element_size()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    flat = tensor.reshape(-1).view(torch.uint8)
+    return flat.numpy().data.cast("B")
+
+
+def block_checksums(blocks: torch.Tensor) -> list[int]:
+    """One CRC-32 per block (row 0 of ``blocks``); see the benchmark for crc32 vs adler32."""
+    rows = blocks.detach().cpu().contiguous()
+    return [zlib.crc32(tensor_bytes(row)) for row in rows]
+
+
+def verify_checksums(blocks: torch.Tensor, expected: list[int]) -> None:
+    """Raise ChecksumError naming the first block whose checksum differs."""
+    actual = block_checksums(blocks)
+    if len(actual) != len(expected):
+        raise ChecksumError(-1, f"{len(actual)} blocks but {len(expected)} checksums")
+    for index, (got, want) in enumerate(zip(actual, expected)):
+        if got != want:
+            raise ChecksumError(index, f"block {index}: checksum {got:#010x} != {want:#010x}")
+
+
+def adapt_layout(
+    blocks: torch.Tensor, src: KVLayout, dst: KVLayout, num_tokens: int
+) -> torch.Tensor:
+    """Re-block the first ``num_tokens`` tokens of ``blocks`` from ``src`` into ``dst``.
+
+    Block size and dtype may differ; layers, KV heads and head dim must not (ValueError).
+    Returns ``ceil(num_tokens / dst.block_size)`` blocks; the tail past ``num_tokens`` is zero.
+    """
+    same = ("num_layers", "num_kv_heads", "head_dim")
+    if any(getattr(src, name) != getattr(dst, name) for name in same):
+        raise ValueError(f"cannot adapt {src} to {dst}: layers/heads/head_dim differ")
+    if tuple(blocks.shape[1:]) != src.block_shape or blocks.dtype != src.torch_dtype:
+        raise ValueError(f"blocks {tuple(blocks.shape)} {blocks.dtype} are not in layout {src}")
+    if not 0 <= num_tokens <= blocks.shape[0] * src.block_size:
+        raise ValueError(f"{num_tokens} tokens do not fit in {blocks.shape[0]} blocks")
+    num_blocks = -(-num_tokens // dst.block_size)
+    if src.block_size == dst.block_size:  # fast path: no re-blocking
+        out = blocks[:num_blocks].to(dst.torch_dtype, copy=True)
+        _zero_tail(out, num_tokens)
+        return out
+    # [n, L, 2, H, bs, D] -> [L, 2, H, n * bs, D]: tokens contiguous per (layer, K/V, head).
+    num_layers, _, num_heads, _, head_dim = src.block_shape
+    tokens = blocks.permute(1, 2, 3, 0, 4, 5).reshape(num_layers, 2, num_heads, -1, head_dim)
+    padded = tokens.new_zeros(
+        (num_layers, 2, num_heads, num_blocks * dst.block_size, head_dim), dtype=dst.torch_dtype
+    )
+    padded[:, :, :, :num_tokens] = tokens[:, :, :, :num_tokens]
+    shaped = padded.view(num_layers, 2, num_heads, num_blocks, dst.block_size, head_dim)
+    return shaped.permute(3, 0, 1, 2, 4, 5).contiguous()
+
+
+def _zero_tail(blocks: torch.Tensor, num_tokens: int) -> None:
+    """Zero the token slots past ``num_tokens`` in the last block (same-block-size path)."""
+    if blocks.shape[0] == 0:
+        return
+    used = num_tokens - (blocks.shape[0] - 1) * blocks.shape[4]
+    blocks[-1, :, :, :, used:] = 0

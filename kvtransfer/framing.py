@@ -1,0 +1,256 @@
+"""Wire format of KV transfer control messages, and async helpers for raw sockets.
+
+A request (client -> server) is a fixed header, then the token, the request id and the block
+ids (little-endian int64)::
+
+    magic "PDKV" | version u8 | op u8 | token_len u16 | id_len u16 | num_blocks u32 |
+    bytes_per_block u64 | token | request id | block ids
+
+A reply (server -> client) is a fixed header and a UTF-8 message (the error, or op-specific
+JSON), followed for the tcp transport by ``payload_len`` raw bytes::
+
+    magic "PDKV" | version u8 | status u8 | msg_len u16 | payload_len u64 | message
+
+Anything malformed raises :class:`ProtocolError`; a server answers it with a ``protocol``
+error reply and closes that connection (other connections are unaffected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtransfer.base import TransferError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"PDKV"
+VERSION = 1
+OP_PULL = 1
+OP_CONNECT = 2  # torch transport: set up the pair's process group
+REQUEST_HEADER = struct.Struct("!4sBBHHIQ")
+REPLY_HEADER = struct.Struct("!4sBBHQ")
+MAX_TOKEN_LEN = 4096
+MAX_ID_LEN = 1024
+MAX_BLOCKS = 1 << 20
+MAX_MESSAGE_LEN = 8192
+SOCKET_BUFFER_BYTES = 4 << 20
+
+STATUS_OK = 0
+STATUS_REASONS = {
+    1: "refused",
+    2: "unknown_request",
+    3: "size_mismatch",
+    4: "protocol",
+    5: "internal",
+}
+REASON_STATUS = {reason: status for status, reason in STATUS_REASONS.items()}
+
+
+class ProtocolError(TransferError):
+    """A frame that does not follow this module's format (reason ``protocol``)."""
+
+    def __init__(self, detail: str):
+        super().__init__("protocol", detail)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One decoded request frame."""
+
+    op: int
+    token: str
+    request_id: str
+    block_ids: list[int]
+    bytes_per_block: int
+
+
+def encode_request(request: Request) -> bytes:
+    token = request.token.encode()
+    request_id = request.request_id.encode()
+    ids = np.asarray(request.block_ids, dtype="<i8")
+    header = REQUEST_HEADER.pack(
+        MAGIC, VERSION, request.op, len(token), len(request_id), len(ids), request.bytes_per_block
+    )
+    return header + token + request_id + ids.tobytes()
+
+
+def encode_reply(status: int, message: str = "", payload_len: int = 0) -> bytes:
+    body = message.encode()[:MAX_MESSAGE_LEN]
+    return REPLY_HEADER.pack(MAGIC, VERSION, status, len(body), payload_len) + body
+
+
+def error_reply(reason: str, message: str) -> bytes:
+    return encode_reply(REASON_STATUS[reason], message)
+
+
+async def recv_into(loop: asyncio.AbstractEventLoop, sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first."""
+    while view.nbytes:
+        num = await loop.sock_recv_into(sock, view)
+        if num == 0:
+            raise ConnectionResetError("peer closed the connection")
+        view = view[num:]
+
+
+async def recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    await recv_into(loop, sock, memoryview(buf))
+    return bytes(buf)
+
+
+@dataclass(frozen=True)
+class RequestHeader:
+    """The fixed part of a request; ``body_len`` bytes follow it."""
+
+    op: int
+    token_len: int
+    id_len: int
+    num_blocks: int
+    bytes_per_block: int
+
+    @property
+    def body_len(self) -> int:
+        return self.token_len + self.id_len + 8 * self.num_blocks
+
+
+def parse_request_header(header: bytes) -> RequestHeader:
+    """Validate the fixed header (ProtocolError if malformed or oversized)."""
+    magic, version, op, token_len, id_len, num_blocks, bytes_per_block = REQUEST_HEADER.unpack(
+        header
+    )
+    if magic != MAGIC or version != VERSION or op not in (OP_PULL, OP_CONNECT):
+        raise ProtocolError(f"bad header magic={magic!r} version={version} op={op}")
+    if token_len > MAX_TOKEN_LEN or id_len > MAX_ID_LEN or num_blocks > MAX_BLOCKS:
+        raise ProtocolError(f"oversized frame: token {token_len}, id {id_len}, {num_blocks} ids")
+    return RequestHeader(op, token_len, id_len, num_blocks, bytes_per_block)
+
+
+def parse_request_body(header: RequestHeader, body: bytes) -> Request:
+    """Decode token, request id and block ids (ProtocolError if malformed)."""
+    if len(body) != header.body_len:
+        raise ProtocolError(f"body has {len(body)} bytes, header says {header.body_len}")
+    try:
+        token = body[: header.token_len].decode()
+        request_id = body[header.token_len : header.token_len + header.id_len].decode()
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("token or request id is not UTF-8") from exc
+    offset = header.token_len + header.id_len
+    block_ids = np.frombuffer(body, dtype="<i8", offset=offset).tolist()
+    if any(i < 0 for i in block_ids):
+        raise ProtocolError("negative block id")
+    return Request(header.op, token, request_id, block_ids, header.bytes_per_block)
+
+
+def parse_request(frame: bytes) -> Request:
+    """Decode a whole request frame held in memory (message transports)."""
+    if len(frame) < REQUEST_HEADER.size:
+        raise ProtocolError(f"frame of {len(frame)} bytes is shorter than a header")
+    header = parse_request_header(frame[: REQUEST_HEADER.size])
+    return parse_request_body(header, frame[REQUEST_HEADER.size :])
+
+
+def parse_reply(frame: bytes) -> tuple[int, str, int]:
+    """``(status, message, payload_len)`` of a whole reply frame held in memory."""
+    if len(frame) < REPLY_HEADER.size:
+        raise ProtocolError(f"reply of {len(frame)} bytes is shorter than a header")
+    magic, version, status, msg_len, payload_len = REPLY_HEADER.unpack_from(frame)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"bad reply header magic={magic!r} version={version}")
+    message = frame[REPLY_HEADER.size : REPLY_HEADER.size + msg_len].decode(errors="replace")
+    return status, message, payload_len
+
+
+async def read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Request:
+    """Read and validate one request frame (ProtocolError if malformed)."""
+    header = parse_request_header(await recv_exactly(loop, sock, REQUEST_HEADER.size))
+    return parse_request_body(header, await recv_exactly(loop, sock, header.body_len))
+
+
+async def read_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[int, str, int]:
+    """``(status, message, payload_len)`` of one reply frame."""
+    header = await recv_exactly(loop, sock, REPLY_HEADER.size)
+    parse_reply(header)  # validates magic and version before trusting msg_len
+    msg_len = REPLY_HEADER.unpack(header)[3]
+    return parse_reply(header + await recv_exactly(loop, sock, msg_len))
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Non-blocking, no Nagle delay on small frames, large buffers for the payload."""
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+def parse_address(address: str, scheme: str) -> tuple[str, int, dict[str, str]]:
+    """``scheme://host:port?key=value`` -> (host, port, query)."""
+    prefix = f"{scheme}://"
+    if not address.startswith(prefix):
+        raise ValueError(f"not a {scheme} address: {address!r}")
+    rest, _, query = address[len(prefix) :].partition("?")
+    host, _, port = rest.rpartition(":")
+    params = dict(item.partition("=")[::2] for item in query.split("&") if item)
+    return host.strip("[]"), int(port), params
+
+
+class SocketListener:
+    """Accepts TCP connections on an ephemeral port and runs ``handler`` on each.
+
+    Lifecycle: ``start(host)`` -> serving (one task per connection) -> ``stop()`` closes the
+    listening socket and cancels the connection tasks (which close their sockets).
+    """
+
+    def __init__(self, handler: Callable[[socket.socket], Awaitable[None]]):
+        self._handler = handler
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, host: str) -> int:
+        """Listen on ``host`` (port 0: the kernel picks) and return the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, 0), family=family, backlog=128)
+        self._sock.setblocking(False)
+        self._spawn(self._accept_loop(self._sock))
+        return int(self._sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(sock)
+            except OSError:  # listening socket closed by stop()
+                return
+            tune_socket(conn)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            await self._handler(conn)
+        except (ConnectionError, OSError):
+            pass  # the peer went away; nothing to answer
+        except Exception:
+            logger.exception("KV transfer connection handler failed")
+        finally:
+            conn.close()

@@ -1,0 +1,132 @@
+"""A KV transfer server in another process, for tests and benchmarks (not for production).
+
+``ServerProcess`` spawns a child that builds a deterministic random KV cache
+(:func:`make_kv_cache`), pins the requested blocks in a :class:`TensorBlockSource` and serves
+it with the chosen transport. The parent gets the address, can ask for the server's stats,
+and can stop or SIGKILL it. Two request ids inject faults on the server side:
+``STALL_REQUEST`` never answers (its read sleeps) and is how tests make a server hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from kvtransfer.base import KVLayout
+from kvtransfer.source import TensorBlockSource
+
+STALL_REQUEST = "stall-forever"
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What the child process serves."""
+
+    transport: str
+    layout: KVLayout
+    num_blocks: int
+    seed: int = 0
+    token: str | None = None
+    pins: dict[str, list[int]] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    num_threads: int = 1
+
+
+def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
+    """The same random ``[num_blocks, *block_shape]`` cache in every process for a seed."""
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randn((num_blocks, *layout.block_shape), generator=generator)
+    return data.to(layout.torch_dtype)
+
+
+class _StallingSource(TensorBlockSource):
+    """A source whose reads of ``STALL_REQUEST`` never return (a hung server)."""
+
+    def renew_lease(self, request_id: str) -> bool:
+        return request_id == STALL_REQUEST or super().renew_lease(request_id)
+
+    def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+        if request_id == STALL_REQUEST:
+            time.sleep(3600)
+        return super().read_blocks(request_id, block_ids)
+
+    def block_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
+        if request_id == STALL_REQUEST:
+            time.sleep(3600)
+        return super().block_rows(request_id, block_ids)
+
+
+def _child_main(spec: ServerSpec, conn: Connection) -> None:
+    torch.set_num_threads(spec.num_threads)
+    source = _StallingSource(make_kv_cache(spec.layout, spec.num_blocks, spec.seed), 3600.0)
+    for request_id, block_ids in spec.pins.items():
+        source.pin(request_id, block_ids, with_checksums=False)
+    asyncio.run(_serve(spec, source, conn))
+
+
+async def _serve(spec: ServerSpec, source: TensorBlockSource, conn: Connection) -> None:
+    from kvtransfer import make_server
+
+    server = make_server(spec.transport, source, spec.layout, spec.token, **spec.options)
+    conn.send(await server.start("127.0.0.1"))
+    loop = asyncio.get_running_loop()
+    while True:
+        command = await loop.run_in_executor(None, conn.recv)
+        if command == "stats":
+            conn.send(asdict(server.stats))
+        elif command == "stop":
+            await server.stop()
+            conn.send("stopped")
+            return
+
+
+class ServerProcess:
+    """Context manager: a transfer server in a spawned child process."""
+
+    def __init__(self, spec: ServerSpec, start_timeout: float = 60.0):
+        self.spec = spec
+        context = mp.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_child_main, args=(spec, child_conn), daemon=True)
+        self.process.start()
+        child_conn.close()
+        if not self._conn.poll(start_timeout):
+            self.kill()
+            raise TimeoutError(f"{spec.transport} server did not start in {start_timeout}s")
+        self.address: str = self._conn.recv()
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The server's TransferStats as a dict."""
+        self._conn.send("stats")
+        if not self._conn.poll(timeout):
+            raise TimeoutError("server did not answer the stats command")
+        stats: dict[str, Any] = self._conn.recv()
+        return stats
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.process.is_alive():
+            try:
+                self._conn.send("stop")
+                self._conn.poll(timeout)
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+            self.process.join(timeout)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the server (no clean shutdown) and reap it."""
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(10)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

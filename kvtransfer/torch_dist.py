@@ -1,0 +1,310 @@
+"""The ``torch`` transport: ``torch.distributed`` send/recv in one 2-rank group per pair.
+
+gloo moves CPU tensors, NCCL moves CUDA tensors; the code path is the same. No global
+``init_process_group``: a worker talks to many peers, so each (prefill, decode) pair gets its
+own group, built directly on a ``TCPStore`` that the prefill side hosts and cached on both
+sides for the life of the pair's control connection.
+
+Address: ``torch://HOST:CONTROL_PORT?store=STORE_PORT``. The control channel uses the tcp
+transport's framing (:mod:`kvtransfer.framing`):
+
+1. CONNECT (once per pair): the client presents the token and its backend; the server replies
+   with a fresh pair id; both build the group on ``PrefixStore(pair id, store)``, server rank 0,
+   client rank 1.
+2. PULL (per transfer): request id + block ids -> the server validates and replies OK with the
+   byte count -> server ``send`` / client ``recv`` of the contiguous tensor (as bytes) straight
+   into the client's preallocated output.
+
+Blocking collectives run in worker threads with the pull's timeout, so the event loop never
+blocks; after any failure or timeout both sides drop the pair (its group may be mid-message),
+and the next pull builds a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kvtransfer import framing
+from kvtransfer.base import (
+    BlockSource,
+    KVLayout,
+    KVTransferClient,
+    KVTransferServer,
+    TransferError,
+    bytes_per_row,
+)
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.tcp import expect_reply_size
+
+TAG = 0  # one message at a time per pair, so a single tag suffices
+# A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs lack send/recv.
+Group = Any
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def make_pair_group(
+    store: dist.Store, pair_id: str, rank: int, backend: str, host: str, timeout: float
+) -> Group:
+    """A 2-rank group for one pair (blocks until the peer joins or ``timeout``)."""
+    prefixed = dist.PrefixStore(f"pdserve-kv/{pair_id}", store)
+    limit = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        nccl_options = dist.ProcessGroupNCCL.Options()
+        nccl_options._timeout = limit
+        return dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_options)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = limit
+    return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view: gloo and NCCL then move any dtype, bfloat16 included."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _send(group: Group, tensor: torch.Tensor, timeout: float) -> None:
+    group.send([_as_bytes(tensor)], 1, TAG).wait(datetime.timedelta(seconds=timeout))
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def _recv(group: Group, out: torch.Tensor, timeout: float) -> None:
+    group.recv([_as_bytes(out)], 0, TAG).wait(datetime.timedelta(seconds=timeout))
+    if out.is_cuda:
+        torch.cuda.current_stream(out.device).synchronize()
+
+
+class TorchKVServer(KVTransferServer):
+    """Serves pinned KV blocks through torch.distributed; see the module docstring."""
+
+    transport = "torch"
+
+    def __init__(
+        self,
+        source: BlockSource,
+        layout: KVLayout,
+        token: str | None = None,
+        metrics: TransferMetrics | None = None,
+        device: str = "cpu",
+        group_timeout: float = 30.0,
+    ):
+        super().__init__(source, layout, token, metrics)
+        self.backend = backend_for(torch.device(device))
+        self.group_timeout = group_timeout
+        self._listener = framing.SocketListener(self._serve_connection)
+        self._store: dist.TCPStore | None = None
+
+    async def start(self, host: str = "127.0.0.1") -> str:
+        limit = datetime.timedelta(seconds=self.group_timeout)
+        self._store = dist.TCPStore(host, 0, None, True, limit, wait_for_workers=False)
+        port = self._listener.start(host)
+        shown = f"[{host}]" if ":" in host else host
+        return f"torch://{shown}:{port}?store={self._store.port}"
+
+    async def stop(self) -> None:
+        await self._listener.stop()
+        self._store = None
+
+    async def _serve_connection(self, conn: socket.socket) -> None:
+        """One pair: CONNECT first, then PULLs; the pair's group dies with the connection."""
+        loop = asyncio.get_running_loop()
+        group: Group | None = None
+        while True:
+            try:
+                request = await framing.read_request(loop, conn)
+                self.check_token(request.token)
+                if request.op == framing.OP_CONNECT:
+                    group = await self._connect(loop, conn, request)
+                elif group is None:
+                    self._record_failure("protocol")
+                    raise TransferError("protocol", "PULL before CONNECT")
+                else:
+                    await self._serve_pull(loop, conn, group, request)
+            except framing.ProtocolError as exc:
+                self._record_failure("protocol")
+                await loop.sock_sendall(conn, framing.error_reply("protocol", str(exc)))
+                return
+            except TransferError as exc:
+                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                if exc.reason in ("refused", "protocol", "internal"):
+                    return
+            except (ConnectionError, EOFError):
+                return
+
+    async def _connect(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request: framing.Request
+    ) -> Group:
+        hello = json.loads(request.request_id or "{}")
+        if hello.get("backend") != self.backend:
+            self._record_failure("refused")
+            raise TransferError("refused", f"server uses {self.backend}, client {hello}")
+        assert self._store is not None, "server not started"
+        pair_id = uuid.uuid4().hex
+        reply = json.dumps({"pair": pair_id, "backend": self.backend})
+        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, reply))
+        host = conn.getsockname()[0]
+        try:
+            return await asyncio.to_thread(
+                make_pair_group, self._store, pair_id, 0, self.backend, host, self.group_timeout
+            )
+        except RuntimeError as exc:  # the client never joined
+            self._record_failure("connection_lost")
+            raise ConnectionResetError(f"pair group setup failed: {exc}") from exc
+
+    async def _serve_pull(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        group: Group,
+        request: framing.Request,
+    ) -> None:
+        start = time.perf_counter()
+        args = (request.request_id, request.block_ids, request.bytes_per_block)
+        blocks = await asyncio.to_thread(self.read_blocks, *args)
+        num_bytes = blocks.numel() * blocks.element_size()
+        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
+        try:
+            await asyncio.to_thread(_send, group, blocks, self.group_timeout)
+        except RuntimeError as exc:
+            self._record_failure("connection_lost")
+            raise ConnectionResetError(f"send failed: {exc}") from exc
+        self.record_sent(num_bytes, time.perf_counter() - start)
+
+
+@dataclass
+class _Pair:
+    """The client's half of one pair: control socket, store connection, group."""
+
+    sock: socket.socket
+    store: dist.TCPStore
+    group: Group
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TorchKVClient(KVTransferClient):
+    """Pulls KV blocks through torch.distributed, one cached pair group per server."""
+
+    transport = "torch"
+
+    def __init__(
+        self,
+        token: str | None = None,
+        device: str = "cpu",
+        metrics: TransferMetrics | None = None,
+    ):
+        super().__init__(token, device, metrics)
+        self.backend = backend_for(self.device)
+        self._pairs: dict[str, _Pair] = {}
+        self._connecting: dict[str, asyncio.Lock] = {}
+
+    async def _pull_into(
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        out: torch.Tensor,
+        timeout: float,
+    ) -> None:
+        pair = await self._pair(address, timeout)
+        async with pair.lock:
+            try:
+                await self._pull_on(pair, request_id, block_ids, out, timeout)
+            except TransferError as exc:
+                if exc.reason not in ("unknown_request", "size_mismatch"):
+                    self._drop(address, pair)
+                raise
+            except BaseException:
+                self._drop(address, pair)
+                raise
+
+    async def _pull_on(
+        self,
+        pair: _Pair,
+        request_id: str,
+        block_ids: list[int],
+        out: torch.Tensor,
+        timeout: float,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        token = self.token or ""
+        request = framing.Request(framing.OP_PULL, token, request_id, block_ids, bytes_per_row(out))
+        await loop.sock_sendall(pair.sock, framing.encode_request(request))
+        status, message, payload_len = await framing.read_reply(loop, pair.sock)
+        if status != framing.STATUS_OK:
+            raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
+        expect_reply_size(payload_len, out)
+        self._mark_transferring(request_id)
+        try:
+            await asyncio.to_thread(_recv, pair.group, out, timeout)
+        except RuntimeError as exc:
+            raise ConnectionResetError(f"recv failed: {exc}") from exc
+
+    async def _pair(self, address: str, timeout: float) -> _Pair:
+        lock = self._connecting.setdefault(address, asyncio.Lock())
+        async with lock:
+            pair = self._pairs.get(address)
+            if pair is None:
+                pair = await self._connect(address, timeout)
+                self._pairs[address] = pair
+            return pair
+
+    async def _connect(self, address: str, timeout: float) -> _Pair:
+        host, port, params = framing.parse_address(address, "torch")
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            framing.tune_socket(sock)
+            await loop.sock_connect(sock, (host, port))
+            hello = json.dumps({"backend": self.backend})
+            request = framing.Request(framing.OP_CONNECT, self.token or "", hello, [], 0)
+            await loop.sock_sendall(sock, framing.encode_request(request))
+            status, message, _ = await framing.read_reply(loop, sock)
+            if status != framing.STATUS_OK:
+                raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
+            pair_id = json.loads(message)["pair"]
+            local = sock.getsockname()[0]
+            store, group = await asyncio.to_thread(
+                self._join, host, int(params["store"]), pair_id, local, timeout
+            )
+        except BaseException:
+            sock.close()
+            raise
+        return _Pair(sock, store, group)
+
+    def _join(
+        self, host: str, store_port: int, pair_id: str, local: str, timeout: float
+    ) -> tuple[dist.TCPStore, Group]:
+        limit = datetime.timedelta(seconds=timeout)
+        try:
+            store = dist.TCPStore(host, store_port, None, False, limit)
+            group = make_pair_group(store, pair_id, 1, self.backend, local, timeout)
+        except RuntimeError as exc:
+            raise ConnectionResetError(f"pair group setup failed: {exc}") from exc
+        return store, group
+
+    def _drop(self, address: str, pair: _Pair) -> None:
+        if self._pairs.get(address) is pair:
+            del self._pairs[address]
+        pair.close()
+
+    async def close(self) -> None:
+        for pair in self._pairs.values():
+            pair.close()
+        self._pairs.clear()

@@ -1,0 +1,1 @@
+"""Decode worker: pulls KV blocks, runs the continuous batch, streams tokens."""

@@ -1,0 +1,1 @@
+"""Prefill worker: computes prompts, pins their KV blocks under a lease, serves them."""

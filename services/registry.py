@@ -1,0 +1,690 @@
+"""Worker registry in Redis: who is alive, how loaded, what it caches (metadata only, never KV).
+
+Workers (prefill, decode, colocated) register a record with a TTL and refresh it every heartbeat
+with their latest load; the router reads all live records into a `RegistryView`, pairs prefill
+and decode workers only when their compatibility fingerprints are equal, and asks the prefix
+index how many leading blocks of a prompt each worker already caches.
+
+Key schema (``P`` = `RegistryConfig.prefix`: ``P worker:<id>`` is ``pdserve:worker:<id>``):
+
+| key               | type                     | TTL                   | content                   |
+|-------------------|--------------------------|-----------------------|---------------------------|
+| ``P worker:<id>`` | string (JSON)            | ttl_seconds, renewed  | `WorkerRecord`: addresses,|
+|                   |                          | by every heartbeat    | fingerprint, state, load  |
+| ``P workers``     | set of worker ids        | none (see below)      | index of the workers      |
+| ``P prefix:<id>`` | set of block hashes      | ttl_seconds, renewed  | the worker's cached full- |
+|                   | (decimal strings)        | by every heartbeat    | block hashes, at most     |
+|                   |                          |                       | ``max_prefix_hashes``     |
+
+Liveness is the record's TTL, kept by Redis: a worker that stops heartbeating disappears within
+``ttl_seconds``. Set members cannot expire, so the index may name dead workers for a while: a
+view drops ids whose record is gone (and SREMs them), and each heartbeat SADDs its id again.
+
+Prefix index: one bounded, expiring set per worker rather than an inverted ``hash -> workers``
+index, because a set member cannot carry its own TTL: per-worker sets vanish with their worker,
+are bounded per worker, and are updated by their single writer with a delta (SADD/SREM). A lookup
+is one SMISMEMBER per candidate worker, pipelined into one round trip (Redis >= 6.2); the leading
+run of hits is the number of cached prompt blocks (hashes are chained, so a hit after a miss does
+not count).
+
+Worker lifecycle (`WorkerRegistration`)::
+
+    register() -> heartbeat every heartbeat_seconds (SET record PX ttl, SADD index, PEXPIRE prefix)
+      -> [Redis lost: one log line, retry with backoff; the first beat after it returns writes
+          everything again, prefix set included] -> set_draining(True) -> deregister()
+
+Router side (`RegistryView`): ``refresh()`` never raises; when Redis is unreachable it keeps the
+last good view and reports ``is_stale`` / ``last_error``; ``watch()`` refreshes in the background.
+When Redis answers again after an outage, or answers with a new ``run_id`` (it restarted and lost
+every key), the workers of the last view are kept for ``ttl_seconds`` while they re-register, so
+the router never sees an empty pool just because Redis came back before the heartbeats did.
+Every Redis call is bounded by socket timeouts and by ``asyncio.wait_for``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Literal, TypeVar, get_args
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, RedisError
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[Role, ...] = get_args(Role)
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+_T = TypeVar("_T")
+_CHUNK = 10_000  # members per SADD/SREM command
+
+
+class RegistryError(RuntimeError):
+    """Registering with Redis failed (unreachable, wrong password, ...); the message says why."""
+
+
+# -- records -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What must be equal for a prefill worker's KV blocks to be usable by a decode worker."""
+
+    model_id: str
+    weights_hash: str
+    tokenizer_hash: str
+    block_size: int
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def key(self) -> str:
+        """A stable 16-hex-digit hash of all fields (equal fingerprints, equal keys)."""
+        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def diff(self, other: Fingerprint) -> list[str]:
+        """Names of the fields that differ, in declaration order."""
+        return [
+            f.name
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+    def describe_diff(self, other: Fingerprint) -> str:
+        """Human-readable differences, e.g. ``"block_size 16 != 32, kv_dtype bf16 != f16"``."""
+        return ", ".join(
+            f"{name} {_short(getattr(self, name))} != {_short(getattr(other, name))}"
+            for name in self.diff(other)
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def _short(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 16 else text[:12] + "..."
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """A worker's load at one instant, published with every heartbeat."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One worker as the registry stores it: identity, addresses, fingerprint, state and load."""
+
+    worker_id: str
+    role: Role
+    grpc_address: str
+    kv_address: str
+    kv_transport: str
+    model: str
+    fingerprint: Fingerprint
+    pid: int = field(default_factory=os.getpid)
+    host: str = field(default_factory=socket.gethostname)
+    started_at: float = field(default_factory=time.time)
+    draining: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_total: int = 0
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+
+    @property
+    def capacity(self) -> int:
+        """KV blocks the worker has in all (``kv_blocks_total``)."""
+        return self.kv_blocks_total
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use by running requests (0 when unknown)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def with_load(self, load: LoadSnapshot, now: float | None = None) -> WorkerRecord:
+        """A copy carrying ``load``, stamped ``updated_at = now``."""
+        stamp = time.time() if now is None else now
+        return dataclasses.replace(self, **dataclasses.asdict(load), updated_at=stamp)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerRecord:
+        """Parse a record; unknown keys (from a newer writer) are ignored."""
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["fingerprint"] = Fingerprint.from_dict(data["fingerprint"])
+        return cls(**values)
+
+
+def new_worker_id(role: Role) -> str:
+    """A unique, readable worker id: ``<role>-<host>-<pid>-<random>``."""
+    return f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def incompatibility_reason(prefill: WorkerRecord, decode: WorkerRecord) -> str | None:
+    """Why ``decode`` cannot take KV from ``prefill``, or None when their fingerprints are equal."""
+    if prefill.fingerprint == decode.fingerprint:
+        return None
+    diff = prefill.fingerprint.describe_diff(decode.fingerprint)
+    return f"{prefill.worker_id} and {decode.worker_id} differ: {diff}"
+
+
+# -- configuration and connection --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Where the registry lives and how fast it reacts; built once at the entry point."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    prefix: str = "pdserve:"
+    ttl_seconds: float = 5.0
+    heartbeat_seconds: float = 1.0
+    socket_timeout_seconds: float = 1.0
+    connect_timeout_seconds: float = 1.0
+    max_backoff_seconds: float = 2.0
+    max_prefix_hashes: int = 65_536
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_seconds < self.ttl_seconds:
+            raise ValueError(
+                f"need 0 < heartbeat_seconds ({self.heartbeat_seconds}) "
+                f"< ttl_seconds ({self.ttl_seconds})"
+            )
+
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_seconds * 1000))
+
+    @property
+    def command_timeout_seconds(self) -> float:
+        """Upper bound for one Redis call or pipeline, reconnect included."""
+        return 2 * (self.socket_timeout_seconds + self.connect_timeout_seconds)
+
+    @property
+    def redacted_url(self) -> str:
+        """``redis_url`` with the password replaced by ``***`` (for logs and errors)."""
+        return redact_url(self.redis_url)
+
+    def worker_key(self, worker_id: str) -> str:
+        return f"{self.prefix}worker:{worker_id}"
+
+    def prefix_key(self, worker_id: str) -> str:
+        return f"{self.prefix}prefix:{worker_id}"
+
+    @property
+    def index_key(self) -> str:
+        return f"{self.prefix}workers"
+
+
+def redact_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    host = f"[{host}]" if ":" in host else host
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def connect(config: RegistryConfig) -> aioredis.Redis:
+    """An asyncio Redis client with bounded timeouts and one immediate retry (a new connection)."""
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        config.redis_url,
+        decode_responses=True,
+        socket_timeout=config.socket_timeout_seconds,
+        socket_connect_timeout=config.connect_timeout_seconds,
+        retry=Retry(NoBackoff(), 1),
+    )
+    return client
+
+
+def describe_error(exc: BaseException, config: RegistryConfig) -> str:
+    """One line saying what went wrong talking to Redis, without the password."""
+    text = str(exc) or type(exc).__name__
+    url = config.redacted_url
+    if isinstance(exc, AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS")):
+        return (
+            f"Redis at {url} rejected authentication ({text}); "
+            "put the password in the URL: redis://:PASSWORD@HOST:PORT/0"
+        )
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"Redis at {url} did not answer within {config.command_timeout_seconds:.1f}s"
+    what = "unavailable" if isinstance(exc, REDIS_ERRORS) else "call failed"
+    return f"Redis at {url} {what}: {type(exc).__name__}: {text}"
+
+
+async def _bounded(awaitable: Awaitable[_T], config: RegistryConfig) -> _T:
+    return await asyncio.wait_for(awaitable, config.command_timeout_seconds)
+
+
+# -- worker side -------------------------------------------------------------------------------
+
+
+class WorkerRegistration:
+    """A worker's presence in the registry; see the module docstring for the lifecycle."""
+
+    def __init__(
+        self,
+        config: RegistryConfig,
+        record: WorkerRecord,
+        load_fn: Callable[[], LoadSnapshot] | None = None,
+    ) -> None:
+        self.config = config
+        self.load_fn = load_fn
+        self._record = record
+        self._client = connect(config)
+        self._task: asyncio.Task[None] | None = None
+        self._prefix_hashes: list[int] = []  # last snapshot asked for, written again after loss
+        self._prefix_synced = False  # the Redis set equals _prefix_hashes
+        self._is_connected = False
+        self._is_closed = False  # deregistered or closed: Redis is not touched any more
+
+    @property
+    def record(self) -> WorkerRecord:
+        """The record as last written (or about to be written) to Redis."""
+        return self._record
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the last heartbeat reached Redis."""
+        return self._is_connected
+
+    async def register(self) -> None:
+        """Write the record and start heartbeating; raises RegistryError if Redis refuses."""
+        if self._is_closed:
+            raise RegistryError(f"{self._record.worker_id} was deregistered; make a new one")
+        try:
+            await self._beat()
+        except REDIS_ERRORS as exc:
+            raise RegistryError(
+                f"cannot register {self._record.worker_id}: {describe_error(exc, self.config)}"
+            ) from exc
+        self._is_connected = True
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._heartbeat_loop(), name="registry-heartbeat")
+        logger.info(
+            "registered %s (%s) at %s",
+            self._record.worker_id,
+            self._record.role,
+            self.config.redacted_url,
+        )
+
+    async def set_draining(self, draining: bool = True) -> None:
+        """Mark the worker draining (routers stop picking it); written now if Redis is up."""
+        self._record = dataclasses.replace(self._record, draining=draining)
+        if self._task is None:  # not registered (or deregistered): nothing to publish
+            return
+        try:
+            await self._beat()
+        except REDIS_ERRORS as exc:
+            error = describe_error(exc, self.config)
+            logger.warning("set_draining: %s (the next heartbeat retries)", error)
+
+    async def publish_prefix_hashes(self, hashes: Iterable[int]) -> bool:
+        """Replace this worker's published set of cached block hashes with ``hashes``.
+
+        Pass the most valuable hashes first: only the first ``max_prefix_hashes`` are kept. Only
+        the difference from the previous snapshot is sent. Returns False (and keeps the snapshot
+        for the next heartbeat to write) when Redis is unreachable; never raises for that.
+        """
+        if self._is_closed:
+            return False
+        new = list(dict.fromkeys(hashes))[: self.config.max_prefix_hashes]
+        old = set(self._prefix_hashes) if self._prefix_synced else None
+        self._prefix_hashes, self._prefix_synced = new, False
+        try:
+            await _bounded(self._write_prefix(new, old), self.config)
+        except REDIS_ERRORS as exc:
+            logger.debug("prefix hashes not published: %s", describe_error(exc, self.config))
+            return False
+        return True
+
+    async def deregister(self) -> None:
+        """Stop heartbeating and delete the worker's keys at once (SIGTERM, before draining)."""
+        await self._stop_heartbeat()
+        cfg, worker_id = self.config, self._record.worker_id
+        try:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(cfg.worker_key(worker_id), cfg.prefix_key(worker_id))
+            pipe.srem(cfg.index_key, worker_id)
+            await _bounded(pipe.execute(), cfg)
+            logger.info("deregistered %s", worker_id)
+        except REDIS_ERRORS as exc:  # records expire by themselves within ttl_seconds
+            logger.warning("deregister %s: %s", worker_id, describe_error(exc, cfg))
+        await self._client.aclose()
+
+    async def close(self) -> None:
+        """Stop heartbeating without deleting anything: the records expire as after a crash."""
+        await self._stop_heartbeat()
+        await self._client.aclose()
+
+    async def __aenter__(self) -> WorkerRegistration:
+        await self.register()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.deregister()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    async def _stop_heartbeat(self) -> None:
+        self._is_closed = True
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    def _refresh_load(self) -> None:
+        if self.load_fn is None:
+            self._record = dataclasses.replace(self._record, updated_at=time.time())
+            return
+        try:
+            self._record = self._record.with_load(self.load_fn())
+        except Exception:  # a broken load callable must not stop the heartbeat
+            logger.exception("load snapshot failed; publishing the previous one")
+
+    async def _beat(self) -> None:
+        """One heartbeat: record (with fresh load) and index; prefix set kept alive or rewritten."""
+        self._refresh_load()
+        cfg, worker_id = self.config, self._record.worker_id
+        pipe = self._client.pipeline(transaction=True)
+        pipe.set(cfg.worker_key(worker_id), self._record.to_json(), px=cfg.ttl_ms)
+        pipe.sadd(cfg.index_key, worker_id)
+        pipe.pexpire(cfg.prefix_key(worker_id), cfg.ttl_ms)
+        _, _, prefix_alive = await _bounded(pipe.execute(), cfg)
+        if self._prefix_hashes and not (prefix_alive and self._prefix_synced):
+            await _bounded(self._write_prefix(self._prefix_hashes, None), cfg)
+
+    async def _write_prefix(self, new: list[int], old: set[int] | None) -> None:
+        """Write ``new`` as the prefix set: a delta from ``old``, or whole when ``old`` is None."""
+        cfg, key = self.config, self.config.prefix_key(self._record.worker_id)
+        pipe = self._client.pipeline(transaction=True)
+        if old is None:
+            pipe.delete(key)
+            added, removed = new, []
+        else:
+            new_set = set(new)
+            added = [h for h in new if h not in old]
+            removed = [h for h in old if h not in new_set]
+        for start in range(0, len(removed), _CHUNK):
+            pipe.srem(key, *removed[start : start + _CHUNK])
+        for start in range(0, len(added), _CHUNK):
+            pipe.sadd(key, *added[start : start + _CHUNK])
+        pipe.pexpire(key, cfg.ttl_ms)
+        pipe.scard(key)
+        size = (await pipe.execute())[-1]
+        # A delta applied to a set Redis lost (restart, expiry) leaves it partial: rewrite it.
+        self._prefix_synced = size == len(new)
+        if not self._prefix_synced and old is not None:
+            await self._write_prefix(new, None)
+
+    async def _heartbeat_loop(self) -> None:
+        cfg = self.config
+        delay = cfg.heartbeat_seconds
+        while True:
+            await asyncio.sleep(delay * random.uniform(0.9, 1.1))
+            try:
+                await self._beat()
+            except Exception as exc:  # never let the heartbeat die: the worker would vanish
+                if self._is_connected:
+                    logger.warning(
+                        "registry heartbeat of %s failed, retrying with backoff: %s",
+                        self._record.worker_id,
+                        describe_error(exc, cfg),
+                        exc_info=not isinstance(exc, REDIS_ERRORS),
+                    )
+                self._is_connected = False
+                delay = min(delay * 2, cfg.max_backoff_seconds)
+                continue
+            if not self._is_connected:
+                logger.warning("registry reachable again: %s re-registered", self._record.worker_id)
+            self._is_connected = True
+            delay = cfg.heartbeat_seconds
+
+
+# -- router side -------------------------------------------------------------------------------
+
+
+class RegistryView:
+    """The router's picture of the live workers, refreshed from Redis; never raises for Redis."""
+
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self._client = connect(config)
+        self._records: dict[str, WorkerRecord] = {}
+        self._last_error: str | None = "not refreshed yet"
+        self._refreshed_at: float | None = None  # time.monotonic() of the last good refresh
+        self._run_id = ""  # Redis's run_id: a new one means Redis restarted and lost the records
+        self._grace_until = 0.0  # time.monotonic() until which the last view's workers are kept
+        self._task: asyncio.Task[None] | None = None
+        self._unreadable: set[str] = set()  # ids already warned about
+
+    @property
+    def is_stale(self) -> bool:
+        """True when the last refresh failed (or none succeeded yet): the view may be outdated."""
+        return self._last_error is not None
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the last refresh failed, None after a good one."""
+        return self._last_error
+
+    @property
+    def age_seconds(self) -> float | None:
+        """Seconds since the last good refresh (None if there was none)."""
+        return None if self._refreshed_at is None else time.monotonic() - self._refreshed_at
+
+    async def refresh(self) -> bool:
+        """Read every live record; on failure keep the last good view. Returns success."""
+        try:
+            run_id, records, dead = await _bounded(self._read_all(), self.config)
+        except Exception as exc:  # never raises: the router keeps routing on the last view
+            error = describe_error(exc, self.config)
+            if self._last_error != error:  # one line per new failure, not one per refresh
+                logger.warning("registry view stale (keeping the last one): %s", error)
+            self._last_error = error
+            return False
+        self._install(run_id, records)
+        if dead:
+            await self._prune(dead)
+        return True
+
+    def watch(self, interval: float = 0.5) -> asyncio.Task[None]:
+        """Start (once) a background task that refreshes every ``interval`` seconds."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._watch_loop(interval), name="registry-watch")
+        return self._task
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self._client.aclose()
+
+    async def __aenter__(self) -> RegistryView:
+        await self.refresh()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def get(self, worker_id: str) -> WorkerRecord | None:
+        return self._records.get(worker_id)
+
+    def workers(
+        self, role: Role | None = None, *, include_draining: bool = False
+    ) -> list[WorkerRecord]:
+        """Live workers of ``role`` (all roles if None), sorted by id; draining ones on request."""
+        return [
+            r
+            for _, r in sorted(self._records.items())
+            if (role is None or r.role == role) and (include_draining or not r.draining)
+        ]
+
+    def is_compatible(self, prefill: WorkerRecord | str, decode: WorkerRecord | str) -> bool:
+        return self.incompatibility_reason(prefill, decode) is None
+
+    def incompatibility_reason(
+        self, prefill: WorkerRecord | str, decode: WorkerRecord | str
+    ) -> str | None:
+        """Why the pair cannot work together (unknown worker, fingerprints differ), or None."""
+        p, d = self._resolve(prefill), self._resolve(decode)
+        if isinstance(p, str) or isinstance(d, str):
+            return f"unknown worker {p if isinstance(p, str) else d}"
+        return incompatibility_reason(p, d)
+
+    def compatible_pairs(self) -> list[tuple[WorkerRecord, WorkerRecord]]:
+        """Every (prefill, decode) pair of routable workers with equal fingerprints."""
+        return [
+            (p, d)
+            for p in self.workers("prefill")
+            for d in self.workers("decode")
+            if p.fingerprint == d.fingerprint
+        ]
+
+    def incompatible_pairs(self) -> list[tuple[WorkerRecord, WorkerRecord, str]]:
+        """Every (prefill, decode, reason) pair that will never be paired (for /v1/workers)."""
+        pairs = []
+        for p in self.workers("prefill"):
+            for d in self.workers("decode"):
+                reason = incompatibility_reason(p, d)
+                if reason is not None:
+                    pairs.append((p, d, reason))
+        return pairs
+
+    async def prefix_match(
+        self, worker_ids: Sequence[str], block_hashes: Sequence[int]
+    ) -> dict[str, int]:
+        """For each worker, how many leading ``block_hashes`` it caches (0s if Redis is down)."""
+        matches = dict.fromkeys(worker_ids, 0)
+        if not worker_ids or not block_hashes:
+            return matches
+        pipe = self._client.pipeline(transaction=False)
+        for worker_id in worker_ids:
+            pipe.smismember(self.config.prefix_key(worker_id), list(block_hashes))
+        try:
+            results = await _bounded(pipe.execute(), self.config)
+        except REDIS_ERRORS as exc:
+            logger.debug("prefix_match: %s", describe_error(exc, self.config))
+            return matches
+        for worker_id, hits in zip(worker_ids, results):
+            matches[worker_id] = _leading_true(hits)
+        return matches
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _install(self, run_id: str, records: dict[str, WorkerRecord]) -> None:
+        """Make a good read the view. After an outage or a Redis restart (new run_id) the workers
+        of the last view stay for ``ttl_seconds`` while they register again by themselves."""
+        now = time.monotonic()
+        restarted = run_id != self._run_id
+        if self._refreshed_at is not None and (self.is_stale or restarted):
+            self._grace_until = now + self.config.ttl_seconds
+            missing = len(self._records.keys() - records.keys())
+            logger.warning(
+                "registry view fresh again%s: %d workers, keeping %d others for %.1fs",
+                " (Redis restarted)" if restarted else "",
+                len(records),
+                missing,
+                self.config.ttl_seconds,
+            )
+        if now < self._grace_until:
+            records = {**self._records, **records}
+        self._records, self._run_id, self._last_error = records, run_id, None
+        self._refreshed_at = now
+
+    def _resolve(self, worker: WorkerRecord | str) -> WorkerRecord | str:
+        if isinstance(worker, WorkerRecord):
+            return worker
+        return self._records.get(worker, worker)
+
+    async def _read_all(self) -> tuple[str, dict[str, WorkerRecord], list[str]]:
+        """Redis's run_id, live records by id, and the indexed ids whose record is gone."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.info("server")
+        pipe.smembers(self.config.index_key)
+        info, members = await pipe.execute()
+        run_id = str(info.get("run_id", ""))
+        ids = sorted(str(m) for m in members)
+        if not ids:
+            return run_id, {}, []
+        values = await self._client.mget([self.config.worker_key(i) for i in ids])
+        records: dict[str, WorkerRecord] = {}
+        dead: list[str] = []
+        for worker_id, value in zip(ids, values):
+            if value is None:
+                dead.append(worker_id)
+                continue
+            try:
+                records[worker_id] = WorkerRecord.from_json(value)
+            except (ValueError, KeyError, TypeError) as exc:
+                if worker_id not in self._unreadable:
+                    logger.warning("ignoring unreadable record of %s: %s", worker_id, exc)
+                self._unreadable.add(worker_id)
+        return run_id, records, dead
+
+    async def _prune(self, dead: list[str]) -> None:
+        """SREM dead ids from the index (a live worker that races this re-adds itself)."""
+        try:
+            await _bounded(self._client.srem(self.config.index_key, *dead), self.config)
+        except REDIS_ERRORS as exc:
+            logger.debug("pruning the index failed: %s", describe_error(exc, self.config))
+
+    async def _watch_loop(self, interval: float) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(interval)
+
+
+def _leading_true(hits: Sequence[Any]) -> int:
+    """Length of the leading run of truthy entries (SMISMEMBER gives 1/0)."""
+    count = 0
+    for hit in hits:
+        if not int(hit):
+            break
+        count += 1
+    return count

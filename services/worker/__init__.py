@@ -1,0 +1,1 @@
+"""What every worker process shares: async engine loop, gRPC server, metrics, CLI."""

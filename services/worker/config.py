@@ -1,0 +1,47 @@
+"""Settings of one worker process (prefill, decode or colocated), built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.engine.config import EngineConfig
+
+ROLES = ("prefill", "decode", "colocated")
+READY_PREFIX = "PDSERVE_READY "  # the line a worker prints once it listens
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    role: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"  # bind address; 0.0.0.0 in containers
+    advertise_host: str | None = None  # the address peers use (default: host)
+    grpc_port: int = 0  # 0: ephemeral
+    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0: ephemeral, -1: off
+    kv_transport: str = "tcp"
+    redis_url: str | None = None  # None: no registration (tests, single process)
+    redis_prefix: str = "pdserve:"
+    heartbeat_seconds: float = 1.0
+    ttl_seconds: float = 5.0
+    worker_id: str | None = None
+    cluster_token: str | None = None
+    lease_seconds: float = 5.0  # prefill: pinned blocks are freed this long after the answer
+    pull_timeout_seconds: float = 10.0  # decode: a pull taking longer counts as failed
+    on_pull_failure: str = "recompute"  # decode: "recompute" the prompt locally, or "fail"
+    verify_checksums: bool = True
+    max_pending_requests: int = 256  # requests admitted but not finished; more get UNAVAILABLE
+    drain_seconds: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.on_pull_failure not in ("recompute", "fail"):
+            raise ValueError(
+                f"on_pull_failure must be 'recompute' or 'fail', got {self.on_pull_failure!r}"
+            )
+        if self.lease_seconds <= 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+
+    @property
+    def public_host(self) -> str:
+        return self.advertise_host or self.host

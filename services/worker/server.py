@@ -1,0 +1,288 @@
+"""One worker process: engine + gRPC services + KV transport + registry + metrics.
+
+Lifecycle: load the model -> listen (gRPC, KV transport, /metrics) -> register in Redis and
+heartbeat -> serve -> SIGTERM/SIGINT: mark draining (health NOT_SERVING, registry record
+``draining``), refuse new requests, deregister, wait for in-flight requests (up to
+``drain_seconds``), stop. The ready line printed on stdout (``PDSERVE_READY {json}``) tells a
+launcher or a test the bound addresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+import kvtransfer
+from kvtransfer.base import KVLayout
+from kvtransfer.source import TensorBlockSource
+from protos import pdserve_pb2_grpc as pb_grpc
+from services.decode.service import DecodeService
+from services.engine.llm_engine import LLMEngine
+from services.engine.model.loader import model_name
+from services.prefill.service import PrefillIdentity, PrefillService
+from services.registry import (
+    Fingerprint,
+    LoadSnapshot,
+    RegistryConfig,
+    WorkerRecord,
+    WorkerRegistration,
+    new_worker_id,
+)
+from services.worker.async_engine import AsyncEngine
+from services.worker.config import READY_PREFIX, WorkerConfig
+from services.worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+TOKEN_HEADER = "x-pdserve-token"
+
+
+class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every call that does not present the cluster token (health checks excepted)."""
+
+    def __init__(self, token: str):
+        self._token = token.encode()
+        self.num_refused = 0
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        presented = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
+        if hmac.compare_digest(str(presented).encode(), self._token):
+            return await continuation(details)
+        self.num_refused += 1
+        return self._deny
+
+
+def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fingerprint:
+    """What must be equal for a prefill and a decode worker to exchange KV."""
+    cfg = engine.model.config
+    model_dir = engine.model_dir
+    source = model_dir / "pdserve_source.json"
+    if source.exists():
+        weights_hash = json.loads(source.read_text())["sha256"]
+    else:
+        weights_hash = _hash_files(sorted(model_dir.glob("*.safetensors")))
+    return Fingerprint(
+        model_id=model_name(model),
+        weights_hash=weights_hash[:16],
+        tokenizer_hash=_hash_files([model_dir / "tokenizer.json"])[:16],
+        block_size=block_size,
+        kv_dtype=engine.config.dtype,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
+
+
+def _hash_files(paths: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Worker:
+    """Builds and runs everything a worker process serves."""
+
+    def __init__(self, config: WorkerConfig, cache_dir: Path | None = None):
+        self.config = config
+        self.engine = LLMEngine(config.engine, cache_dir)
+        self.async_engine = AsyncEngine(self.engine)
+        self.metrics = WorkerMetrics(config.role, self.engine)
+        self.transfer_metrics = kvtransfer.get_metrics(self.metrics.registry)
+        cfg = self.engine.model.config
+        self.layout = KVLayout(
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            config.engine.cache.block_size,
+            config.engine.dtype,
+        )
+        self.fingerprint = fingerprint_of(self.engine, config.engine.model, self.layout.block_size)
+        self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
+        self.prefill: PrefillService | None = None
+        self.decode: DecodeService | None = None
+        self.registration: WorkerRegistration | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        cfg = self.config
+        self.async_engine.start()
+        interceptors = []
+        if cfg.cluster_token:
+            interceptors.append(ClusterTokenInterceptor(cfg.cluster_token))
+        server = grpc.aio.server(interceptors=interceptors)
+        port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        grpc_address = f"{cfg.public_host}:{port}"
+        health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        transfer_server = await self._add_services(server, grpc_address)
+        await server.start()
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        metrics_port = -1
+        if cfg.metrics_port >= 0:
+            metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
+        kv_address = self._kv_address
+        await self._register(grpc_address, kv_address)
+        self._install_signal_handlers()
+        print(
+            READY_PREFIX
+            + json.dumps(
+                {
+                    "role": cfg.role,
+                    "worker_id": self.worker_id,
+                    "pid": os.getpid(),
+                    "grpc_address": grpc_address,
+                    "kv_address": kv_address,
+                    "metrics_port": metrics_port,
+                    "num_blocks": self.engine.pool.num_blocks,
+                }
+            ),
+            flush=True,
+        )
+        await self._stop.wait()
+        await self._drain(health)
+        await server.stop(grace=1.0)
+        if transfer_server is not None:
+            await transfer_server.stop()
+        await self._shutdown()
+
+    async def _add_services(self, server: grpc.aio.Server, grpc_address: str):  # type: ignore[no-untyped-def]
+        cfg = self.config
+        self._kv_address = ""
+        transfer_server = None
+        token = cfg.cluster_token
+        if cfg.role in ("prefill", "colocated"):
+            leases = TensorBlockSource(self.engine.runner.kv_cache, cfg.lease_seconds)
+            transfer_server = kvtransfer.make_server(
+                cfg.kv_transport, leases, self.layout, token, metrics=self.transfer_metrics
+            )
+            self._kv_address = await transfer_server.start(cfg.host)
+            identity = PrefillIdentity(
+                self.worker_id,
+                grpc_address,
+                cfg.kv_transport,
+                self._kv_address,
+                self.layout,
+                self.fingerprint.key(),
+            )
+            self.prefill = PrefillService(
+                self.async_engine, leases, identity, self.metrics, cfg.max_pending_requests
+            )
+            pb_grpc.add_PrefillServiceServicer_to_server(self.prefill, server)
+            self._tasks.append(asyncio.create_task(self.prefill.reap_expired_leases()))
+        if cfg.role in ("decode", "colocated"):
+            client = kvtransfer.make_client(cfg.kv_transport, token, metrics=self.transfer_metrics)
+            self.decode = DecodeService(self.async_engine, client, self.layout, cfg, self.metrics)
+            pb_grpc.add_DecodeServiceServicer_to_server(self.decode, server)
+        return transfer_server
+
+    async def _register(self, grpc_address: str, kv_address: str) -> None:
+        cfg = self.config
+        if not cfg.redis_url:
+            return
+        registry = RegistryConfig(
+            redis_url=cfg.redis_url,
+            prefix=cfg.redis_prefix,
+            ttl_seconds=cfg.ttl_seconds,
+            heartbeat_seconds=cfg.heartbeat_seconds,
+        )
+        record = WorkerRecord(
+            worker_id=self.worker_id,
+            role=cfg.role,  # type: ignore[arg-type]
+            grpc_address=grpc_address,
+            kv_address=kv_address,
+            kv_transport=cfg.kv_transport,
+            model=self.fingerprint.model_id,
+            fingerprint=self.fingerprint,
+            kv_blocks_total=self.engine.pool.num_blocks,
+        )
+        self.registration = WorkerRegistration(registry, record, self._load)
+        await self.registration.register()
+        self._tasks.append(asyncio.create_task(self._publish_prefixes(cfg.heartbeat_seconds)))
+
+    def _load(self) -> LoadSnapshot:
+        pool, sched = self.engine.pool, self.engine.scheduler
+        return LoadSnapshot(
+            num_running=len(sched.running),
+            num_waiting=sched.num_waiting + self._num_active() - len(sched.running),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_cached=pool.num_cached_blocks,
+            kv_blocks_total=pool.num_blocks,
+        )
+
+    def _num_active(self) -> int:
+        return sum(s.num_active for s in (self.prefill, self.decode) if s is not None)
+
+    async def _publish_prefixes(self, interval: float) -> None:
+        assert self.registration is not None
+        while True:
+            await asyncio.sleep(interval)
+            await self.registration.publish_prefix_hashes(self.engine.pool.cached_block_hashes)
+
+    def _install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+
+    async def _drain(self, health: HealthServicer) -> None:
+        log.info("draining: refusing new requests")
+        for service in (self.prefill, self.decode):
+            if service is not None:
+                service.draining = True
+        await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.registration is not None:
+            with contextlib.suppress(Exception):
+                await self.registration.set_draining(True)
+                await self.registration.deregister()
+        deadline = time.monotonic() + self.config.drain_seconds
+        while self._num_active() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.prefill is not None:  # nobody will pull what is still pinned
+            for request_id in self.prefill.leases.pinned_request_ids():
+                self.prefill.leases.release(request_id)
+                await self.async_engine.call(self.engine.release_pinned, request_id)
+
+    async def _shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.decode is not None:
+            await self.decode.close()
+        if self.registration is not None:
+            await self.registration.close()
+        await self.async_engine.stop()
+
+
+def run_worker(config: WorkerConfig, cache_dir: Path | None = None) -> None:
+    """Entry point of ``pdserve prefill|decode|colocated``."""
+    log_format = f"%(asctime)s {config.role} %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, format=log_format)
+    worker = Worker(config, cache_dir)
+    asyncio.run(worker.run())

@@ -1,0 +1,264 @@
+"""The disaggregated request lifecycle across real processes: real Redis, real gRPC servers,
+real KV transports on loopback. Block counts are read from each worker's real /metrics."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import grpc
+import pytest
+
+import kvtransfer
+from pdserve import SamplingParams
+from tests.conftest import PROMPTS
+from tests.services.workers import (
+    colocated,
+    disaggregated,
+    metric,
+    prefill,
+    run,
+    running,
+    used_blocks,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def wait_until(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    """The offline engine's greedy tokens: what every path must reproduce."""
+    outs = llm.generate(PROMPTS[:4], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llm):
+    return llm.get_tokenizer()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "torch", "ucx"])
+def test_disaggregated_equals_colocated_and_offline(transport, expected, tokenizer, redis_server):
+    if transport not in kvtransfer.available_transports():
+        pytest.skip(f"KV transport {transport!r} cannot run on this machine (see kvtransfer)")
+    args = [
+        "--kv-transport",
+        transport,
+        "--redis-url",
+        redis_server.url,
+        "--redis-prefix",
+        f"t-{transport}:",
+    ]
+    with running([("prefill", args), ("decode", args), ("colocated", args)]) as (p, d, c):
+        for i, prompt in enumerate(PROMPTS[:4]):
+            ids = tokenizer.encode(prompt)
+            dis = run(
+                disaggregated(p.info["grpc_address"], d.info["grpc_address"], f"r{i}", ids, GREEDY)
+            )
+            col = run(colocated(c.info["grpc_address"], f"c{i}", ids, GREEDY))
+            assert dis.kv_source == "pulled"
+            assert dis.token_ids == col.token_ids == expected[i]
+            assert dis.text == tokenizer.decode(expected[i])
+        assert wait_until(lambda: used_blocks(p) == 0 == used_blocks(d), 5)
+        assert used_blocks(c) == 0
+
+
+@pytest.fixture(scope="module")
+def pair(redis_server):
+    args = ["--redis-url", redis_server.url, "--redis-prefix", "faults:", "--lease-seconds", "2"]
+    with running([("prefill", args), ("decode", args)]) as workers:
+        yield workers
+
+
+def test_unpulled_blocks_are_freed_when_the_lease_expires(pair, tokenizer):
+    p, _ = pair
+    answer = run(
+        prefill(p.info["grpc_address"], "never-pulled", tokenizer.encode(PROMPTS[7]), GREEDY)
+    )
+    assert len(answer.kv.block_ids) > 0
+    assert used_blocks(p) >= len(answer.kv.block_ids)
+    assert wait_until(lambda: used_blocks(p) == 0, timeout=6)
+    assert metric(p, "pdserve_lease_expirations_total") >= 1
+
+
+def test_abort_mid_decode_frees_decode_blocks_at_once(pair, tokenizer):
+    p, d = pair
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    result = run(
+        disaggregated(
+            p.info["grpc_address"],
+            d.info["grpc_address"],
+            "abort-me",
+            tokenizer.encode(PROMPTS[2]),
+            params,
+            max_chunks=3,
+        )
+    )
+    assert len(result.token_ids) >= 3 and not result.finish_reason
+    assert wait_until(lambda: used_blocks(d) == 0 and used_blocks(p) == 0, timeout=5)
+
+
+def test_prefix_reuse_skips_shared_blocks_on_both_sides(pair, tokenizer):
+    p, d = pair
+    system = "You are a helpful assistant who answers briefly and precisely. " * 6
+    first = tokenizer.encode(system + "Here is a list of fruits:")
+    second = tokenizer.encode(system + "Here is a list of trees:")
+
+    def received() -> float:
+        return metric(d, "pdserve_kv_transfer_bytes_total", 'direction="received",transport="tcp"')
+
+    before = received()
+    a = run(disaggregated(p.info["grpc_address"], d.info["grpc_address"], "px1", first, GREEDY))
+    bytes_first = received() - before
+    b = run(disaggregated(p.info["grpc_address"], d.info["grpc_address"], "px2", second, GREEDY))
+    bytes_second = received() - before - bytes_first
+    assert a.num_cached_prefill == 0 and b.num_cached_prefill > 0
+    assert a.num_cached_decode == 0 and b.num_cached_decode >= b.num_cached_prefill
+    block_bytes = 30 * 2 * 3 * 16 * 64 * 4
+    assert bytes_first == len(a.handle.block_ids) * block_bytes
+    assert bytes_second == (len(b.handle.block_ids) - b.num_cached_decode // 16) * block_bytes
+
+
+def test_prefill_killed_before_the_pull_decode_recomputes(redis_server, tokenizer, expected):
+    args = ["--redis-url", redis_server.url, "--redis-prefix", "kill-p:"]
+    with running([("prefill", args), ("decode", args)]) as (p, d):
+
+        async def kill_prefill(answer):  # type: ignore[no-untyped-def]
+            p.kill()
+
+        ids = tokenizer.encode(PROMPTS[0])
+        result = run(
+            disaggregated(
+                p.info["grpc_address"],
+                d.info["grpc_address"],
+                "kp",
+                ids,
+                GREEDY,
+                before_generate=kill_prefill,
+            )
+        )
+        assert result.kv_source == "recomputed"
+        assert result.token_ids == expected[0]
+        assert wait_until(lambda: used_blocks(d) == 0, 5)
+        assert metric(d, "pdserve_kv_pulls_total", 'outcome="recomputed"') == 1
+
+
+def test_decode_killed_mid_stream_leaves_prefill_clean_and_is_dropped(redis_server, tokenizer):
+    import asyncio
+
+    from services.registry import RegistryConfig, RegistryView
+
+    prefix = "kill-d:"
+    args = ["--redis-url", redis_server.url, "--redis-prefix", prefix]
+    config = RegistryConfig(
+        redis_url=redis_server.url, prefix=prefix, ttl_seconds=2, heartbeat_seconds=0.5
+    )
+
+    async def live_roles():  # type: ignore[no-untyped-def]
+        async with RegistryView(config) as view:
+            await view.refresh()
+            return sorted(w.role for w in view.workers())
+
+    with running([("prefill", args), ("decode", args)]) as (p, d):
+        assert run(live_roles()) == ["decode", "prefill"]
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+        async def go():  # type: ignore[no-untyped-def]
+            task = asyncio.create_task(
+                disaggregated(
+                    p.info["grpc_address"],
+                    d.info["grpc_address"],
+                    "kd",
+                    tokenizer.encode(PROMPTS[3]),
+                    params,
+                )
+            )
+            await asyncio.sleep(3)
+            os.kill(d.pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await task
+
+        run(go())
+        assert wait_until(lambda: used_blocks(p) == 0, 5)
+        assert wait_until(lambda: run(live_roles()) == ["prefill"], timeout=6)
+
+
+def test_redis_restart_workers_register_again_by_themselves(redis_server):
+
+    from services.registry import RegistryConfig, RegistryView
+
+    prefix = "restart:"
+    args = ["--redis-url", redis_server.url, "--redis-prefix", prefix]
+    config = RegistryConfig(
+        redis_url=redis_server.url, prefix=prefix, ttl_seconds=2, heartbeat_seconds=0.5
+    )
+
+    async def live_ids():  # type: ignore[no-untyped-def]
+        async with RegistryView(config) as view:
+            await view.refresh()
+            return sorted(w.worker_id for w in view.workers())
+
+    with running([("prefill", args), ("decode", args)]) as (p, d):
+        ids = sorted([p.info["worker_id"], d.info["worker_id"]])
+        assert run(live_ids()) == ids
+        redis_server.restart(down_seconds=1.0)  # a restarted Redis has lost every key
+        assert wait_until(lambda: run(live_ids()) == ids, timeout=10)
+        assert p.is_alive() and d.is_alive()
+
+
+def test_workers_with_different_block_sizes_are_never_paired(redis_server):
+
+    from services.registry import RegistryConfig, RegistryView
+
+    prefix = "compat:"
+    base = ["--redis-url", redis_server.url, "--redis-prefix", prefix]
+    config = RegistryConfig(redis_url=redis_server.url, prefix=prefix)
+
+    async def pairs():  # type: ignore[no-untyped-def]
+        async with RegistryView(config) as view:
+            await view.refresh()
+            return view.compatible_pairs(), view.incompatible_pairs()
+
+    with running(
+        [
+            ("prefill", base),
+            ("decode", [*base, "--block-size", "32"]),
+            ("decode", [*base, "--dtype", "bfloat16"]),
+        ]
+    ):
+        compatible, incompatible = run(pairs())
+        assert compatible == []
+        reasons = sorted(reason for _, _, reason in incompatible)
+        assert len(reasons) == 2
+        assert any("block_size" in r for r in reasons)
+        assert any("kv_dtype" in r for r in reasons)
+
+
+def test_sigterm_drains_in_flight_requests_and_deregisters(redis_server, tokenizer):
+    import asyncio
+
+    args = ["--redis-url", redis_server.url, "--redis-prefix", "drain:"]
+    with running([("colocated", args)]) as (c,):
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+        async def go():  # type: ignore[no-untyped-def]
+            task = asyncio.create_task(
+                colocated(c.info["grpc_address"], "drain", tokenizer.encode(PROMPTS[0]), params)
+            )
+            await asyncio.sleep(1.0)
+            c.signal(signal.SIGTERM)
+            return await task
+
+        result = run(go())
+        assert result.finish_reason == "length" and len(result.token_ids) == 60
+        assert c.proc.wait(timeout=20) == 0

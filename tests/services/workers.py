@@ -1,0 +1,174 @@
+"""Helpers for service tests: start real worker processes, call them over real gRPC, read their
+real /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from services.engine.sampling_params import SamplingParams
+from services.worker.convert import params_to_proto
+from services.worker.launcher import WorkerProcess
+
+SMALL = [
+    "--num-blocks",
+    "128",
+    "--threads",
+    "1",
+    "--heartbeat-seconds",
+    "0.5",
+    "--ttl-seconds",
+    "2",
+]
+
+
+def start_workers(
+    specs: list[tuple[str, list[str]]], env: dict[str, str] | None = None
+) -> list[WorkerProcess]:
+    """Start several workers at once (their model loads overlap) and wait for all."""
+    workers = [WorkerProcess(role, [*SMALL, *args], env=env) for role, args in specs]
+    for w in workers:
+        w.spawn()
+    try:
+        for w in workers:
+            w.wait_ready()
+    except BaseException:
+        for w in workers:
+            w.kill()
+        raise
+    return workers
+
+
+@contextmanager
+def running(
+    specs: list[tuple[str, list[str]]], env: dict[str, str] | None = None
+) -> Iterator[list[WorkerProcess]]:
+    workers = start_workers(specs, env)
+    try:
+        yield workers
+    except BaseException:
+        for w in workers:  # the workers' own words explain most failures
+            print(f"--- {w.role} worker output ---\n{w.output_tail()}")
+        raise
+    finally:
+        for w in workers:
+            w.terminate(timeout=10)
+
+
+def metric(worker: WorkerProcess, name: str, labels: str = "") -> float:
+    """One sample from the worker's Prometheus endpoint (0 when absent)."""
+    url = f"http://127.0.0.1:{worker.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
+    match = re.search(r"^" + pattern + r"$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def used_blocks(worker: WorkerProcess) -> float:
+    return metric(worker, "pdserve_kv_blocks", 'state="used"')
+
+
+@dataclass
+class Result:
+    first_token: int | None = None
+    token_ids: list[int] = field(default_factory=list)  # all output tokens, first included
+    text: str = ""
+    finish_reason: str = ""
+    kv_source: str = ""
+    num_cached_prefill: int = 0
+    num_cached_decode: int = 0
+    handle: pb.KVHandle | None = None
+
+
+async def prefill(
+    address: str, request_id: str, prompt: list[int], params: SamplingParams, metadata=()
+) -> pb.PrefillResponse:  # type: ignore[no-untyped-def]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.PrefillServiceStub(channel)
+        return await stub.Prefill(
+            pb.PrefillRequest(
+                request_id=request_id, token_ids=prompt, sampling=params_to_proto(params)
+            ),
+            timeout=60,
+            metadata=metadata,
+        )
+
+
+async def generate(
+    address: str,
+    request: pb.GenerateRequest,
+    result: Result,
+    max_chunks: int | None = None,
+    metadata=(),
+) -> Result:  # type: ignore[no-untyped-def]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        call = stub.Generate(request, timeout=120, metadata=metadata)
+        count = 0
+        async for chunk in call:
+            result.token_ids += chunk.token_ids
+            result.text += chunk.text
+            result.kv_source = chunk.kv_source
+            result.num_cached_decode = chunk.num_cached_tokens
+            if chunk.finish_reason:
+                result.finish_reason = chunk.finish_reason
+            count += 1
+            if max_chunks is not None and count >= max_chunks:
+                call.cancel()
+                break
+    return result
+
+
+async def disaggregated(
+    p_address: str,
+    d_address: str,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    before_generate=None,
+    max_chunks: int | None = None,
+) -> Result:  # type: ignore[no-untyped-def]
+    """The router's flow: Prefill on P, then Generate on D with the first token and KVHandle."""
+    answer = await prefill(p_address, request_id, prompt, params)
+    result = Result(
+        first_token=answer.first_token,
+        token_ids=[answer.first_token],
+        text=answer.first_text,
+        num_cached_prefill=answer.num_cached_tokens,
+        handle=answer.kv,
+    )
+    if answer.finish_reason:
+        result.finish_reason = answer.finish_reason
+        return result
+    if before_generate is not None:
+        await before_generate(answer)
+    request = pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=params_to_proto(params),
+        first_token=answer.first_token,
+        first_logprobs=answer.logprobs,
+        kv=answer.kv,
+    )
+    return await generate(d_address, request, result, max_chunks)
+
+
+async def colocated(
+    address: str, request_id: str, prompt: list[int], params: SamplingParams
+) -> Result:
+    request = pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=params_to_proto(params)
+    )
+    return await generate(address, request, Result())
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
