@@ -138,6 +138,40 @@ def print_table(rows: list[dict[str, Any]], transports: list[str]) -> None:
         print(line)
 
 
+def time_prefill(tokens: list[int], threads: int) -> dict[int, float]:
+    """Seconds the default model takes to prefill each prompt length (one request, cold cache):
+    the compute part of TTFT that a transfer of the same prompt's KV adds to."""
+    from services.engine.llm import LLM
+    from services.engine.sampling_params import SamplingParams
+
+    llm = LLM(num_blocks=max(tokens) // 16 + 8, num_threads=threads, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([list(range(100, 116))], params)  # warm-up
+    seconds = {}
+    for n in tqdm(tokens, desc="prefill (TTFT)", unit="size"):
+        prompt = [(7 * i) % 40000 + 100 for i in range(n)]
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        seconds[n] = time.perf_counter() - start
+    return seconds
+
+
+def print_ttft_share(rows: list[dict[str, Any]], prefill: dict[int, float]) -> None:
+    print("\ntransfer as a share of TTFT (prefill on 1 worker + the fastest transfer):")
+    print(f"{'tokens':>6} | {'prefill ms':>10} | {'best transport':>14} {'ms':>8} | {'share':>6}")
+    for row in rows:
+        n = row["tokens"]
+        if n not in prefill:
+            continue
+        name, best = min(row["transports"].items(), key=lambda item: item[1]["seconds"])
+        transfer = best["seconds"]
+        share = transfer / (prefill[n] + transfer)
+        print(
+            f"{n:>6} | {prefill[n] * 1e3:>10.1f} | {name:>14} {transfer * 1e3:>8.2f} | "
+            f"{share:>6.1%}"
+        )
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--transports", nargs="+", default=list(available_transports()))
@@ -151,6 +185,12 @@ def parse_args() -> argparse.Namespace:
         "--reuse-buffer",
         action="store_true",
         help="receive (and memcpy) into one preallocated tensor instead of a fresh one per pull",
+    )
+    parser.add_argument(
+        "--ttft-max-tokens",
+        type=int,
+        default=1024,
+        help="also time the model's prefill up to this prompt length (0: skip) for TTFT shares",
     )
     args = parser.parse_args()
     assert args.num_blocks * LAYOUT.block_size >= max(args.tokens), "pool too small"
@@ -223,6 +263,9 @@ def main() -> None:
     print_table(rows, args.transports)
     print("checksum speed (GB/s): " + ", ".join(f"{k} {v:.2f}" for k, v in checksums.items()))
     save(args, rows, checksums)
+    ttft_tokens = [n for n in args.tokens if n <= args.ttft_max_tokens]
+    if ttft_tokens:
+        print_ttft_share(rows, time_prefill(ttft_tokens, args.threads))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 - ``"torch"``: ``torch.distributed`` point-to-point in 2-rank groups (gloo on CPU, NCCL on CUDA).
 - ``"tcp"``: asyncio sockets, zero-copy send; no extra dependency, always available. The
   default for host-memory KV caches (the fastest of the three there).
+- ``"shm"``: same-host peers only: the decode side copies pinned rows straight out of the
+  prefill worker's KV cache, kept in a shared-memory file; the control exchange is tcp's.
 
 See :mod:`kvtransfer.base` for the contract (states, errors, checksums, layout adapter).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Any
 
 from kvtransfer.base import (
@@ -36,7 +39,7 @@ from kvtransfer.base import (
 from kvtransfer.metrics import TransferMetrics, get_metrics
 from kvtransfer.source import TensorBlockSource
 
-TRANSPORTS = ("ucx", "torch", "tcp")
+TRANSPORTS = ("ucx", "torch", "tcp", "shm")
 
 __all__ = [
     "FAILURE_REASONS",
@@ -77,6 +80,8 @@ def available_transports() -> tuple[str, ...]:
     if dist.is_available() and (dist.is_gloo_available() or dist.is_nccl_available()):
         found.append("torch")
     found.append("tcp")
+    if os.path.isdir("/dev/shm"):
+        found.append("shm")  # same-host peers only
     return tuple(found)
 
 
@@ -101,6 +106,10 @@ def _classes(transport: str) -> tuple[type[KVTransferServer], type[KVTransferCli
         from kvtransfer.torch_dist import TorchKVClient, TorchKVServer
 
         return TorchKVServer, TorchKVClient
+    if transport == "shm":
+        from kvtransfer.shm import ShmKVClient, ShmKVServer
+
+        return ShmKVServer, ShmKVClient
     if transport == "ucx":
         from kvtransfer.ucx import UcxKVClient, UcxKVServer
 

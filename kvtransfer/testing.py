@@ -10,7 +10,9 @@ and can stop or SIGKILL it. Two request ids inject faults on the server side:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing as mp
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
@@ -64,10 +66,21 @@ class _StallingSource(TensorBlockSource):
 
 def _child_main(spec: ServerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.num_threads)
-    source = _StallingSource(make_kv_cache(spec.layout, spec.num_blocks, spec.seed), 3600.0)
+    kv_cache = make_kv_cache(spec.layout, spec.num_blocks, spec.seed)
+    path = None
+    if spec.transport == "shm":  # the cache must live in a file the client can map
+        path = f"/dev/shm/pdserve-test-{os.getpid()}"
+        shared = torch.from_file(path, shared=True, size=kv_cache.numel(), dtype=kv_cache.dtype)
+        kv_cache = shared.view(kv_cache.shape).copy_(kv_cache)
+        spec = dataclasses.replace(spec, options={**spec.options, "path": path})
+    source = _StallingSource(kv_cache, 3600.0)
     for request_id, block_ids in spec.pins.items():
         source.pin(request_id, block_ids, with_checksums=False)
-    asyncio.run(_serve(spec, source, conn))
+    try:
+        asyncio.run(_serve(spec, source, conn))
+    finally:
+        if path is not None:
+            os.unlink(path)
 
 
 async def _serve(spec: ServerSpec, source: TensorBlockSource, conn: Connection) -> None:

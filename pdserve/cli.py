@@ -138,7 +138,10 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
         help="Prometheus /metrics port; 0: any free port, -1: off",
     )
     g.add_argument(
-        "--kv-transport", default=_env("kv_transport", "tcp"), choices=["tcp", "torch", "ucx"]
+        "--kv-transport",
+        default=_env("kv_transport", "tcp"),
+        choices=["tcp", "torch", "ucx", "shm"],
+        help="how KV blocks move (shm: peers on the same host only)",
     )
     g.add_argument(
         "--redis-url",

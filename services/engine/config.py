@@ -81,6 +81,8 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # Host-memory blocks for swap preemption; 0 disables swapping.
     num_swap_blocks: int = 0
+    # Keep the KV pool in this file (under /dev/shm) so same-host peers can map it (shm transport).
+    shared_memory_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

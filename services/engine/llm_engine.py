@@ -104,6 +104,7 @@ class LLMEngine:
             config.torch_dtype,
             config.device,
             cache.num_swap_blocks,
+            cache.shared_memory_path,
         )
         self.sampler = Sampler(config.seed)
         self._requests: dict[str, _Request] = {}

@@ -36,13 +36,19 @@ class ModelRunner:
         dtype: torch.dtype,
         device: str = "cpu",
         num_swap_blocks: int = 0,
+        shared_memory_path: str | None = None,
     ):
         cfg = model.config
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
-        self.kv_cache = torch.zeros(num_blocks, *shape, dtype=dtype, device=self.device)
+        if shared_memory_path is not None:  # a file other processes on this host can map
+            numel = num_blocks * int(torch.Size(shape).numel())
+            flat = torch.from_file(shared_memory_path, shared=True, size=numel, dtype=dtype)
+            self.kv_cache = flat.view(num_blocks, *shape)
+        else:
+            self.kv_cache = torch.zeros(num_blocks, *shape, dtype=dtype, device=self.device)
         self.host_cache = torch.zeros(num_swap_blocks, *shape, dtype=dtype)
         # Kernels take [num_blocks, block_size, kv_heads, head_dim] views (any strides).
         self.layer_caches = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -111,7 +112,14 @@ class Worker:
 
     def __init__(self, config: WorkerConfig, cache_dir: Path | None = None):
         self.config = config
-        self.engine = LLMEngine(config.engine, cache_dir)
+        self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
+        self.shm_path: str | None = None
+        engine_config = config.engine
+        if config.kv_transport == "shm" and config.role != "decode":
+            self.shm_path = f"/dev/shm/pdserve-kv-{self.worker_id}"
+            cache = dataclasses.replace(engine_config.cache, shared_memory_path=self.shm_path)
+            engine_config = dataclasses.replace(engine_config, cache=cache)
+        self.engine = LLMEngine(engine_config, cache_dir)
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = WorkerMetrics(config.role, self.engine)
         self.transfer_metrics = kvtransfer.get_metrics(self.metrics.registry)
@@ -124,7 +132,6 @@ class Worker:
             config.engine.dtype,
         )
         self.fingerprint = fingerprint_of(self.engine, config.engine.model, self.layout.block_size)
-        self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
         self.prefill: PrefillService | None = None
         self.decode: DecodeService | None = None
         self.registration: WorkerRegistration | None = None
@@ -180,8 +187,11 @@ class Worker:
         token = cfg.cluster_token
         if cfg.role in ("prefill", "colocated"):
             leases = TensorBlockSource(self.engine.runner.kv_cache, cfg.lease_seconds)
+            options: dict[str, Any] = {"metrics": self.transfer_metrics}
+            if self.shm_path is not None:
+                options["path"] = self.shm_path
             transfer_server = kvtransfer.make_server(
-                cfg.kv_transport, leases, self.layout, token, metrics=self.transfer_metrics
+                cfg.kv_transport, leases, self.layout, token, **options
             )
             self._kv_address = await transfer_server.start(cfg.host)
             identity = PrefillIdentity(
@@ -278,6 +288,9 @@ class Worker:
         if self.registration is not None:
             await self.registration.close()
         await self.async_engine.stop()
+        if self.shm_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.shm_path)
 
 
 def run_worker(config: WorkerConfig, cache_dir: Path | None = None) -> None:

@@ -47,7 +47,7 @@ def _transport_params() -> list[object]:
                 name not in found, reason=reasons.get(name, f"{name} transport unavailable")
             ),
         )
-        for name in ("tcp", "torch", "ucx")
+        for name in ("tcp", "torch", "ucx", "shm")
     ]
 
 

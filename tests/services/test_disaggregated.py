@@ -47,7 +47,7 @@ def tokenizer(llm):
     return llm.get_tokenizer()
 
 
-@pytest.mark.parametrize("transport", ["tcp", "torch", "ucx"])
+@pytest.mark.parametrize("transport", ["tcp", "torch", "ucx", "shm"])
 def test_disaggregated_equals_colocated_and_offline(transport, expected, tokenizer, redis_server):
     if transport not in kvtransfer.available_transports():
         pytest.skip(f"KV transport {transport!r} cannot run on this machine (see kvtransfer)")

@@ -1,0 +1,125 @@
+"""The ``shm`` transport: same-host pulls straight out of the prefill worker's KV cache.
+
+The prefill worker keeps its KV cache in a shared-memory file (``CacheConfig.shared_memory_path``,
+under ``/dev/shm``). A pull is the tcp transport's request/reply on the control connection
+(token check, lease renewal, pinned-block check) with an empty payload; the client then copies
+the rows from its own mapping of that file into the output tensor: one memcpy, no socket bytes.
+The blocks stay pinned until the client itself releases them, so they cannot change under the
+copy, and the decode side verifies their checksums as for any transport.
+
+Address: ``shm://HOST:PORT?path=/dev/shm/FILE``. Only for peers on the same host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import urllib.parse
+
+import torch
+
+from kvtransfer import framing
+from kvtransfer.base import BlockSource, KVLayout, TransferError, bytes_per_row
+from kvtransfer.metrics import TransferMetrics
+from kvtransfer.tcp import TcpKVClient, TcpKVServer, _format_host
+
+
+class ShmKVServer(TcpKVServer):
+    """Validates pulls of blocks that live in ``path``; the client reads them itself."""
+
+    transport = "shm"
+
+    def __init__(
+        self,
+        source: BlockSource,
+        layout: KVLayout,
+        token: str | None = None,
+        metrics: TransferMetrics | None = None,
+        path: str = "",
+    ):
+        super().__init__(source, layout, token, metrics)
+        if not path:
+            raise ValueError("the shm transport needs the KV cache's shared-memory file (path=)")
+        self.path = path
+
+    async def start(self, host: str = "127.0.0.1") -> str:
+        port = self._listener.start(host)
+        return f"shm://{_format_host(host)}:{port}?path={urllib.parse.quote(self.path)}"
+
+    async def _serve_request(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn,
+        request: framing.Request,  # type: ignore[no-untyped-def]
+    ) -> bool:
+        start = time.perf_counter()
+        try:
+            if request.op != framing.OP_PULL:
+                self._record_failure("protocol")
+                raise TransferError("protocol", f"op {request.op} is not served by shm")
+            self.check_token(request.token)
+            # Renews the lease and checks every block is pinned for this request.
+            self.read_blocks_checked(request)
+        except TransferError as exc:
+            await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+            return exc.reason not in ("refused", "protocol")
+        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", 0))
+        num_bytes = len(request.block_ids) * self.layout.bytes_per_block
+        self.record_sent(num_bytes, time.perf_counter() - start)
+        return True
+
+    def read_blocks_checked(self, request: framing.Request) -> None:
+        args = (request.request_id, request.block_ids, request.bytes_per_block)
+        if self.block_rows(*args) is None:
+            raise TransferError("internal", "the shm transport needs a source that lends rows")
+
+
+class ShmKVClient(TcpKVClient):
+    """Copies pinned blocks out of the prefill worker's mapped KV cache file."""
+
+    transport = "shm"
+
+    def __init__(
+        self, token: str | None = None, device: str = "cpu", metrics: TransferMetrics | None = None
+    ):
+        super().__init__(token, device, metrics)
+        self._mappings: dict[str, torch.Tensor] = {}
+
+    async def _pull_into(
+        self, address: str, request_id: str, block_ids: list[int], out: torch.Tensor, timeout: float
+    ) -> None:
+        host, port, params = framing.parse_address(address, "shm")
+        path = urllib.parse.unquote(params.get("path", ""))
+        frame = framing.encode_request(
+            framing.Request(
+                framing.OP_PULL, self.token or "", request_id, block_ids, bytes_per_row(out)
+            )
+        )
+        sock, payload_len = await self._request((host, port), frame)
+        self._release((host, port), sock)
+        if payload_len != 0:
+            raise TransferError("protocol", f"shm server announced {payload_len} payload bytes")
+        self._mark_transferring(request_id)
+        source = self._map(path, out)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if max(block_ids, default=0) >= source.shape[0]:
+            raise TransferError("size_mismatch", f"block id beyond the end of {path}")
+        if out.device.type == "cpu":
+            torch.index_select(source, 0, ids, out=out)
+        else:
+            out.copy_(source.index_select(0, ids))
+
+    def _map(self, path: str, out: torch.Tensor) -> torch.Tensor:
+        mapping = self._mappings.get(path)
+        if mapping is None:
+            layout_shape = tuple(out.shape[1:])
+            size = os.path.getsize(path) if os.path.exists(path) else 0
+            itemsize = out.element_size()
+            per_block = int(torch.Size(layout_shape).numel()) * itemsize
+            if not size or size % per_block:
+                raise TransferError("unsupported", f"{path} is not reachable from this host")
+            flat = torch.from_file(path, shared=True, size=size // itemsize, dtype=out.dtype)
+            mapping = flat.view(-1, *layout_shape)
+            self._mappings[path] = mapping
+        return mapping
