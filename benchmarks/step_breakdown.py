@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shlex
 import statistics
 import sys
@@ -39,7 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
 from tqdm import tqdm
+
+from services.engine.config import default_num_threads
 
 TEXT = (
     "Paged attention stores the key and value cache of every sequence in fixed-size blocks, "
@@ -106,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=int,
-        default=default_threads(),
+        default=default_num_threads(),
         help="torch threads; all usable cores unless set",
     )
     parser.add_argument(
@@ -125,33 +126,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.context < 1 or args.steps < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("need --context, --steps, --threads >= 1 and --warmup >= 0")
     return args
-
-
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def machine_info(threads: int) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": default_threads(),
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
-    }
 
 
 def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:

@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
 import random
 import shlex
 import statistics
@@ -49,7 +47,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import (
+    machine_info as shared_machine_info,  # benchmarks/machine.py (this folder is on sys.path)
+)
 from tqdm import tqdm
+
+from services.engine.config import default_num_threads
 
 PROMPTS = [
     "Answer with a single word and nothing else. Question: the capital of France is",
@@ -121,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads",
         type=int,
-        default=default_threads(),
+        default=default_num_threads(),
         help="torch threads for both sides; all usable cores unless set",
     )
     parser.add_argument(
@@ -149,34 +152,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def machine_info(threads: int) -> dict[str, Any]:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": default_threads(),
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
-        "transformers": transformers.__version__,
-    }
+    return shared_machine_info(threads, transformers=transformers.__version__)
 
 
 def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
