@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 up: setup
-	$(VENV)/bin/pdserve demo
+	$(VENV)/bin/pdserve up
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

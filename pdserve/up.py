@@ -1,0 +1,471 @@
+"""`pdserve up`: the whole system on one machine, the embedded default that `make up` runs.
+
+Starts a real Redis, N prefill + M decode workers (or K colocated ones) and the OpenAI-compatible
+router on 127.0.0.1, waits until the router's ``/ready`` answers 200, prints the URL and a curl
+example, then watches::
+
+    start: redis -> workers and router (spawned together, so model loads overlap)
+           -> every ready line -> router /ready == 200 -> summary
+    stop (Ctrl-C, SIGTERM, SIGHUP, or a component died):
+           router (SIGTERM) -> workers (SIGTERM, all at once: they deregister and drain) -> redis
+
+Each component's output is echoed with a prefix (``[redis]``, ``[prefill-0]``, ``[decode-0]``,
+``[router]``). Children run in their own sessions, so a terminal's Ctrl-C reaches this process
+alone and the stop order holds; if this process is killed they die with it (PR_SET_PDEATHSIG).
+A second signal during the stop kills what is left at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+from services.engine.config import default_num_threads
+from services.redis_server import RedisServer, RedisServerError
+from services.worker.launcher import WorkerProcess
+
+TRANSPORTS = ("tcp", "shm", "torch", "ucx")
+ROUTER_STOP_SECONDS = 30.0
+WORKER_STOP_SECONDS = 40.0  # the workers' default drain (30 s) plus their own shutdown
+POLL_SECONDS = 0.2
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class UpError(RuntimeError):
+    """A component could not start or died; the message says which and shows its last output."""
+
+
+class _ForceStop(BaseException):
+    """A second signal arrived while stopping: kill instead of waiting."""
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    """What `pdserve up` starts; built once from the command line."""
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0  # > 0: this many colocated workers instead of prefill + decode
+    model: str | None = None  # None: the default model
+    port: int = 8000  # the router's; 0: any free port
+    transport: str = "tcp"
+    threads: int | None = None  # torch threads per worker; None: the cores split between them
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    cache_dir: str | None = None
+    api_key: str | None = None
+    ready_timeout: float = 180.0
+
+    def __post_init__(self) -> None:
+        if self.colocated < 0:
+            raise ValueError(f"--colocated must be >= 0, got {self.colocated}")
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("--colocated replaces --prefill/--decode: give one or the other")
+        for name in ("prefill", "decode"):
+            value = getattr(self, name)
+            if not self.colocated and value < 1:
+                raise ValueError(f"--{name} must be >= 1 (or use --colocated), got {value}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535, got {self.port}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("threads", "num_blocks", "kv_cache_memory"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.ready_timeout <= 0:
+            raise ValueError(f"--ready-timeout must be > 0, got {self.ready_timeout}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> UpConfig:
+        """From `pdserve up`'s flags; --prefill/--decode default to 1 unless --colocated."""
+        colocated = args.colocated or 0
+        if colocated and (args.prefill is not None or args.decode is not None):
+            raise ValueError("--colocated replaces --prefill/--decode: give one or the other")
+
+        def count(value: int | None) -> int:
+            return 0 if colocated else (1 if value is None else value)
+
+        return cls(
+            prefill=count(args.prefill),
+            decode=count(args.decode),
+            colocated=colocated,
+            model=args.model,
+            port=args.port,
+            transport=args.transport,
+            threads=args.threads,
+            num_blocks=args.num_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            cache_dir=args.cache_dir,
+            api_key=args.api_key or None,
+            ready_timeout=args.ready_timeout,
+        )
+
+    @property
+    def workers(self) -> list[tuple[str, str]]:
+        """(role, name) of every worker: prefill-0.., decode-0.. or colocated-0.."""
+        counts = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
+        return [(role, f"{role}-{i}") for role, n in counts for i in range(n)]
+
+    @property
+    def threads_per_worker(self) -> int:
+        """--threads, else the cores split evenly (oversubscribed torch pools run much slower)."""
+        if self.threads is not None:
+            return self.threads
+        return max(1, default_num_threads() // len(self.workers))
+
+    def worker_args(self, redis_url: str) -> list[str]:
+        """Command-line flags of every worker (the rest keep the workers' own defaults)."""
+        args = ["--host", "127.0.0.1", "--redis-url", redis_url]
+        args += ["--kv-transport", self.transport, "--threads", str(self.threads_per_worker)]
+        args += _optional("--num-blocks", self.num_blocks)
+        args += _optional("--kv-cache-memory", self.kv_cache_memory)
+        return args + self._shared_args()
+
+    def router_args(self, redis_url: str) -> list[str]:
+        """Command-line flags of the router (the API key goes by environment, not in `ps`)."""
+        args = ["--host", "127.0.0.1", "--port", str(self.port), "--redis-url", redis_url]
+        return args + self._shared_args()
+
+    def _shared_args(self) -> list[str]:
+        return _optional("--model", self.model) + _optional("--cache-dir", self.cache_dir)
+
+
+def _optional(flag: str, value: object) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def _exit_text(code: int | None) -> str:
+    """'exited with code 1' or 'was killed by SIGKILL'."""
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _check_port(port: int) -> None:
+    """Fail at once if the router's port is taken (the router finds out only after loading)."""
+    if port == 0:
+        return
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router binds
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise UpError(f"port {port} is not free ({exc.strerror}): use --port (0: any)") from exc
+
+
+def _say(message: str) -> None:
+    print(f"[up] {message}", flush=True)
+
+
+class LineWriter(io.TextIOBase):
+    """stdout shared by threads: whole lines only, and a closed reader is not an error.
+
+    ``print`` writes the text and the newline separately, so two echo threads could mix their
+    lines; this keeps each thread's partial line until its newline and writes whole lines under
+    a lock. If the reader goes away (``pdserve up | head``) output is dropped, so the echo
+    threads keep draining the children's pipes and the children never block on a full pipe."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._broken = False
+
+    def write(self, text: str) -> int:
+        pending = getattr(self._local, "pending", "") + text
+        lines, newline, self._local.pending = pending.rpartition("\n")
+        if newline:
+            with self._lock:
+                if not self._broken:
+                    try:
+                        self.stream.write(lines + newline)
+                        self.stream.flush()
+                    except (BrokenPipeError, ValueError):  # reader gone, or stream closed
+                        self._broken = True
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # write() flushes every whole line
+
+
+class Component(WorkerProcess):
+    """A `pdserve <role>` child in its own session, its output echoed as ``[name] line``."""
+
+    def __init__(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None):
+        # A session of its own: the terminal's Ctrl-C is ours to handle, so the stop order holds.
+        super().__init__(role, args, env=env, echo_prefix=f"[{name}]", new_session=True)
+        self.name = name
+
+    def describe(self) -> str:
+        """One summary line: name, pid and where it listens."""
+        info = self.info
+        where = [info.get("url", "")]
+        if "grpc_address" in info:
+            where = [f"grpc {info['grpc_address']}"]
+            where += [f"kv {info['kv_address']}"] if info.get("kv_address") else []
+            where += [f"metrics :{info['metrics_port']}"] if info.get("metrics_port") else []
+        return f"  {self.name:<12} pid {self.pid:<8} {'  '.join(where)}"
+
+
+class LogTail:
+    """Echo the lines appended to a file with a prefix (Redis logs to a file)."""
+
+    def __init__(self, path: Path, prefix: str):
+        self.path = path
+        self.prefix = prefix
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Echo what is left, then stop."""
+        self._done.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        partial = ""
+        with open(self.path, errors="replace") as file:
+            while True:
+                chunk = file.readline()
+                if chunk:
+                    partial += chunk
+                    if partial.endswith("\n"):
+                        print(f"{self.prefix} {partial.rstrip()}", flush=True)
+                        partial = ""
+                elif self._done.is_set():
+                    return
+                else:
+                    time.sleep(0.1)
+
+
+class UpSystem:
+    """Redis, the workers and the router, started and stopped in order."""
+
+    def __init__(self, config: UpConfig):
+        self.config = config
+        self.redis = RedisServer()
+        self.redis_pid: int | None = None
+        self.workers: list[Component] = []
+        self.router: Component | None = None
+        self._redis_log: LogTail | None = None
+        self._stop_requested = threading.Event()
+        self._stopping = False
+        self._killing = False
+        self._last_ready_answer = ""
+        self._signal_name = ""  # the first stop signal's
+
+    @property
+    def components(self) -> list[Component]:
+        return self.workers + ([self.router] if self.router is not None else [])
+
+    @property
+    def url(self) -> str:
+        assert self.router is not None
+        return str(self.router.info["url"])
+
+    # -- signals -------------------------------------------------------------------------------
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """First signal: stop in order. Second one, while stopping: kill what is left.
+
+        Prints nothing: the main thread may be inside a write (stdout is not reentrant)."""
+        if self._stopping and not self._killing:
+            self._killing = True
+            raise _ForceStop
+        self._signal_name = self._signal_name or signal.Signals(signum).name
+        self._stop_requested.set()
+
+    # -- start ---------------------------------------------------------------------------------
+
+    def start(self) -> bool:
+        """Start everything and wait for the router's /ready; False if a stop signal came first.
+
+        Raises UpError when a component dies or the whole start takes over ``ready_timeout``."""
+        deadline = time.monotonic() + self.config.ready_timeout
+        _check_port(self.config.port)  # before the model loads, not after
+        self._start_redis()
+        cfg = self.config
+        _say(
+            f"starting {', '.join(name for _, name in cfg.workers)} "
+            f"(--threads {cfg.threads_per_worker} --kv-transport {cfg.transport} each) "
+            "and the router"
+        )
+        worker_args = cfg.worker_args(self.redis.url)
+        self.workers = [Component(name, role, worker_args) for role, name in cfg.workers]
+        env = {"PDSERVE_API_KEY": cfg.api_key} if cfg.api_key else None
+        self.router = Component("router", "router", cfg.router_args(self.redis.url), env)
+        for component in self.components:
+            if self._stop_requested.is_set():
+                return False
+            try:
+                component.spawn()
+            except OSError as exc:
+                raise UpError(f"could not start {component.name}: {exc}") from exc
+        started = self._wait(
+            lambda: all(c.info for c in self.components), "the ready lines", deadline
+        )
+        return started and self._wait(self._router_ready, "the router's /ready", deadline)
+
+    def _start_redis(self) -> None:
+        try:
+            self.redis.start()
+        except RedisServerError as exc:
+            raise UpError(str(exc)) from exc
+        self.redis_pid = self.redis.pid
+        assert self.redis.log_path is not None
+        self._redis_log = LogTail(self.redis.log_path, "[redis]")
+        _say(f"redis-server pid {self.redis_pid} on {self.redis.url}")
+
+    def _router_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/ready", timeout=2) as answer:
+                return bool(answer.status == 200)
+        except urllib.error.HTTPError as exc:  # 503 until the workers are registered
+            self._last_ready_answer = f"{exc.code} {exc.read()[:500]!r}"
+        except (urllib.error.URLError, OSError) as exc:
+            self._last_ready_answer = str(exc)
+        return False
+
+    def _wait(self, done: Callable[[], bool], what: str, deadline: float | None) -> bool:
+        """Poll ``done`` until it holds (True) or a stop signal comes (False).
+
+        Raises UpError when a component dies, or at ``deadline``."""
+        while not self._stop_requested.is_set():
+            self._check_alive()
+            if done():
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._timeout(what)
+            self._stop_requested.wait(POLL_SECONDS)
+        return False
+
+    def _check_alive(self) -> None:
+        if not self.redis.is_running:
+            raise UpError(
+                f"redis-server (pid {self.redis_pid}) exited; its log:\n{self.redis.log_tail()}"
+            )
+        for c in self.components:
+            if not c.is_alive():
+                time.sleep(0.3)  # let the echo thread read the last lines
+                code = c.proc.returncode if c.proc is not None else None
+                raise UpError(
+                    f"{c.name} (pid {c.pid}) {_exit_text(code)}; its last output:\n"
+                    f"{c.output_tail()}"
+                )
+
+    def _timeout(self, what: str) -> UpError:
+        timeout = self.config.ready_timeout
+        lines = [f"not up after {timeout:g}s (--ready-timeout): still waiting for {what}"]
+        for c in self.components:
+            if not c.info:
+                tail = c.output_tail(20) or "(none)"
+                lines.append(f"{c.name} has not printed its ready line; its last output:\n{tail}")
+        if self._last_ready_answer:
+            lines.append(f"the router's last /ready answer: {self._last_ready_answer}")
+        return UpError("\n".join(lines))
+
+    # -- running -------------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """What runs where, and a request to try."""
+        from services.engine.model.loader import model_name
+
+        assert self.router is not None  # the router's ready line names the served model
+        name = str(self.router.info.get("model") or model_name(self.config.model))
+        body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}]}
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if self.config.api_key else ""
+        lines = [
+            f"pdserve is up: {self.url} (model {name})",
+            f"  {'redis':<12} pid {self.redis_pid!s:<8} {self.redis.url}",
+            *(c.describe() for c in self.components),
+            "",
+            f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
+            f"    -d '{json.dumps({**body, 'max_tokens': 32})}'",
+            "",
+            "Ctrl-C stops everything.",
+        ]
+        return "\n".join(lines)
+
+    def watch(self) -> None:
+        """Return when a stop signal comes; raise UpError when a component dies."""
+        self._wait(lambda: False, "", None)
+
+    # -- stop ----------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Router, then workers (SIGTERM: they drain in parallel), then Redis; a second signal
+        kills what is left. Leaves no process behind."""
+        self._stopping = True
+        if self._signal_name:
+            _say(f"{self._signal_name}: stopping (again to kill at once)")
+        try:
+            self._stop_in_order()
+        except _ForceStop:
+            _say("killing what is left")
+            for c in self.components:
+                c.kill()
+            self.redis.stop()
+        finally:
+            self._killing = True  # from here on a signal only sets the (already set) flag
+            if self._redis_log is not None:
+                self._redis_log.stop()
+        _say("stopped")
+
+    def _stop_in_order(self) -> None:
+        if self.router is not None and self.router.proc is not None:
+            _say("stopping the router")
+            self._report(self.router, self.router.terminate(ROUTER_STOP_SECONDS))
+        running = [w for w in self.workers if w.is_alive()]
+        if running:
+            _say(f"stopping {len(running)} worker(s): they deregister and drain")
+            for w in running:
+                w.signal(signal.SIGTERM)
+            for w in running:
+                self._report(w, w.terminate(WORKER_STOP_SECONDS))
+        if self.redis.is_running:
+            _say("stopping redis")
+        self.redis.stop()
+
+    @staticmethod
+    def _report(component: Component, code: int | None) -> None:
+        if code == -signal.SIGKILL:
+            _say(f"warning: {component.name} did not stop in time and was killed")
+        elif code not in (0, None, -signal.SIGTERM):
+            _say(f"warning: {component.name} {_exit_text(code)}")
+
+
+def run_up(config: UpConfig) -> int:
+    """Run the system until a signal (exit 0) or a component failure (exit 1, with a message).
+
+    Must run on the main thread: it owns the signal handlers, and the children's parent-death
+    signal is tied to the thread that spawned them."""
+    system = UpSystem(config)
+    previous: dict[int, Any] = {s: signal.signal(s, system.on_signal) for s in STOP_SIGNALS}
+    stdout, sys.stdout = sys.stdout, LineWriter(sys.stdout)
+    try:
+        if system.start():
+            print(system.summary(), flush=True)
+            system.watch()
+        return 0
+    except UpError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        system.stop()
+        sys.stdout = stdout
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

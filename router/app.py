@@ -1,0 +1,310 @@
+"""The HTTP API: OpenAI's completions, chat completions and models, plus health, readiness,
+metrics and the worker list. Handlers validate and tokenize; `Gateway` and `Orchestrator` do
+the routing; `ResponseBuilder` does the formatting."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.edge import EdgeMiddleware
+from router.errors import APIError, install_error_handlers
+from router.gateway import Gateway, new_request_id, now_unix
+from router.orchestrator import Chunk, SubRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest
+from router.responses import DONE, ResponseBuilder
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """The FastAPI app over ``gateway`` (which it starts and closes with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(
+        EdgeMiddleware,
+        max_body_bytes=gateway.config.max_body_bytes,
+        metrics=gateway.metrics,
+        api_key=gateway.config.api_key,
+    )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        gateway.check_model(body.model)
+        body.check_supported()
+        prompts = [gateway.tokenize(p) for p in body.prompts()]
+
+        def params(prompt_len: int):  # type: ignore[no-untyped-def]
+            max_tokens = gateway.max_tokens_for(prompt_len, body.max_tokens, "max_tokens", "prompt")
+            return body.sampling_params(max_tokens, body.logprobs)
+
+        subs = gateway.sub_requests(new_request_id("cmpl"), prompts, params)
+        builder = _builder(gateway, "completion", subs, body.n, body.logprobs, body)
+        return await _respond(gateway, request, subs, builder, body.stream, arrival)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        gateway.check_model(body.model)
+        body.check_supported()
+        messages = body.template_messages()
+        try:
+            text = gateway.model.tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        except Exception as exc:  # the template itself refused the conversation
+            raise APIError(400, f"chat template error: {exc}", param="messages") from exc
+        prompt = gateway.tokenize(text, chat=True)
+        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+
+        def params(prompt_len: int):  # type: ignore[no-untyped-def]
+            max_tokens = gateway.max_tokens_for(prompt_len, body.max_new_tokens, param, "messages")
+            return body.sampling_params(max_tokens, body.num_logprobs)
+
+        subs = gateway.sub_requests(new_request_id("chatcmpl"), [prompt], params)
+        builder = _builder(gateway, "chat", subs, body.n, body.num_logprobs, body)
+        return await _respond(gateway, request, subs, builder, body.stream, arrival)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = gateway.model
+        card = {
+            "id": model.name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdserve",
+            "max_model_len": model.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/workers")
+    async def workers() -> dict[str, Any]:
+        return _workers(gateway)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok, why = gateway.orchestrator.is_ready()
+        if ok:
+            return JSONResponse({"status": "ready"})
+        error = APIError(503, why, retry_after=gateway.config.retry_after_seconds)
+        return error.response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBuilder:  # type: ignore[no-untyped-def]
+    builder = ResponseBuilder(
+        kind,
+        subs[0].request_id.rsplit("-", 1)[0],
+        now_unix(),
+        gateway.model.name,
+        len(subs) * n,
+        gateway.model.tokenizer,
+        num_logprobs,
+        include_usage=body.include_usage,
+    )
+    builder.usage.prompt_tokens = sum(len(s.prompt_token_ids) for s in subs)
+    return builder
+
+
+async def _respond(
+    gateway: Gateway,
+    request: Request,
+    subs: list[SubRequest],
+    builder: ResponseBuilder,
+    stream: bool,
+    arrival: float,
+) -> Response:
+    gateway.acquire()
+    clock = _Clock(gateway, arrival)
+    if not stream:
+        try:
+            done = await _until_done_or_disconnected(
+                request, _collect(gateway, subs, builder, clock)
+            )
+        finally:
+            gateway.release()
+            clock.finish(builder)
+        if not done:  # nobody is listening; the status only shows in metrics and logs
+            return Response(status_code=499)
+        return JSONResponse(builder.response())
+    events = _events(gateway, subs, builder, clock)
+    try:
+        first = await anext(events)  # errors before the first event get their HTTP status
+    except BaseException:
+        await events.aclose()
+        raise
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _collect(
+    gateway: Gateway, subs: list[SubRequest], builder: ResponseBuilder, clock: _Clock
+) -> None:
+    async with aclosing(gateway.chunks(subs)) as chunks:
+        async for index, chunk in chunks:
+            _check_not_aborted(chunk)
+            clock.tick(chunk)
+            builder.add(index, chunk)
+    builder.usage.cached_tokens = sum(s.num_cached_tokens for s in subs)
+
+
+async def _events(
+    gateway: Gateway, subs: list[SubRequest], builder: ResponseBuilder, clock: _Clock
+) -> AsyncGenerator[bytes, None]:
+    """The SSE events of a streaming response; frees the concurrency slot when it ends."""
+    started = False
+    try:
+        async with aclosing(gateway.chunks(subs)) as chunks:
+            async for index, chunk in chunks:
+                _check_not_aborted(chunk)
+                clock.tick(chunk)
+                event = builder.stream_event(index, chunk)
+                if event is not None:
+                    started = True
+                    yield event
+        builder.usage.cached_tokens = sum(s.num_cached_tokens for s in subs)
+        if builder.include_usage:
+            yield builder.usage_event()
+        yield DONE
+    except APIError as error:
+        if not started:
+            raise
+        yield builder.error_event(error.message, error.status, error.type)
+        yield DONE
+    finally:
+        gateway.release()
+        clock.finish(builder)
+
+
+def _check_not_aborted(chunk: Chunk) -> None:
+    if chunk.finish_reason == "abort":
+        raise APIError(503, "the worker aborted the request (it is shutting down); retry")
+
+
+async def _until_done_or_disconnected(request: Request, work) -> bool:  # type: ignore[no-untyped-def]
+    """Run ``work``; cancel it (aborting the request on its workers) if the client leaves.
+    Returns False when the client left first; raises what ``work`` raises."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return False
+    task.result()
+    return True
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Clock:
+    """TTFT, inter-token and end-to-end latency of one request, into the router's histograms."""
+
+    def __init__(self, gateway: Gateway, arrival: float):
+        self.metrics = gateway.metrics
+        self.arrival = arrival
+        self.last: float | None = None
+
+    def tick(self, chunk: Chunk) -> None:
+        if not chunk.token_ids:
+            return
+        now = time.perf_counter()
+        if self.last is None:
+            self.metrics.ttft_seconds.observe(now - self.arrival)
+        else:
+            per_token = (now - self.last) / len(chunk.token_ids)
+            for _ in chunk.token_ids:
+                self.metrics.itl_seconds.observe(per_token)
+        self.last = now
+
+    def finish(self, builder: ResponseBuilder) -> None:
+        self.metrics.e2e_seconds.observe(time.perf_counter() - self.arrival)
+        self.metrics.prompt_tokens.inc(builder.usage.prompt_tokens)
+        self.metrics.generation_tokens.inc(builder.usage.completion_tokens)
+
+
+def _workers(gateway: Gateway) -> dict[str, Any]:
+    view, orchestrator = gateway.view, gateway.orchestrator
+    rows = []
+    for w in view.workers(include_draining=True):
+        rejection = gateway.rejection(w)
+        rows.append(
+            {
+                "id": w.worker_id,
+                "role": w.role,
+                "host": w.host,
+                "pid": w.pid,
+                "grpc_address": w.grpc_address,
+                "kv_address": w.kv_address,
+                "kv_transport": w.kv_transport,
+                "healthy": not w.draining and rejection is None,
+                "draining": w.draining,
+                "rejected_because": rejection,
+                "fingerprint": {**asdict(w.fingerprint), "key": w.fingerprint.key()},
+                "kv_blocks_total": w.kv_blocks_total,
+                "kv_blocks_used": w.kv_blocks_used,
+                "kv_blocks_cached": w.kv_blocks_cached,
+                "num_running": w.num_running,
+                "num_waiting": w.num_waiting,
+                "router_in_flight": orchestrator.in_flight.get(w.worker_id, 0),
+                "updated_at": w.updated_at,
+            }
+        )
+    return {
+        "object": "list",
+        "data": rows,
+        "incompatible_pairs": [
+            {"prefill": p.worker_id, "decode": d.worker_id, "reason": reason}
+            for p, d, reason in view.incompatible_pairs()
+        ],
+        "registry": {
+            "stale": view.is_stale,
+            "last_error": view.last_error,
+            "age_seconds": view.age_seconds,
+        },
+    }

@@ -1,0 +1,119 @@
+"""Errors as OpenAI sends them: ``{"error": {"message", "type", "param", "code"}}`` + status.
+
+Every failure the gateway reports goes through `APIError`, so clients (the official ``openai``
+package included) raise the matching exception class: 400 BadRequestError, 401
+AuthenticationError, 404 NotFoundError, 413, 429 RateLimitError, 503 InternalServerError.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_error",
+    503: "service_unavailable",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error object with ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    """The first pydantic error, naming the field (``messages.0.role``) and what is wrong."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # Union members add their type name to the location ("prompt.str"): keep the field path.
+    loc = [part for part in loc if not _is_type_tag(part)]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {message}")
+    if first.get("type") == "missing":
+        if not param:
+            return APIError(400, "the request body must be a JSON object")
+        return APIError(400, f"'{param}' is a required field", param=param)
+    prefix = f"'{param}': " if param else ""
+    return APIError(400, prefix + message, param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "float", "bool") or (
+        part.startswith(("function-", "list[", "dict["))
+    )
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Route every error (ours, FastAPI's validation, Starlette's 404/405, bugs) to OpenAI's
+    format."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return APIError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, f"internal error: {type(exc).__name__}").response()

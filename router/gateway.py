@@ -1,0 +1,216 @@
+"""What the HTTP handlers share: the model's tokenizer and limits, the registry view, the
+orchestrator, metrics and the concurrency bound. Turns an API request into sub-requests (one
+per prompt) and their merged chunk stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.config import RouterConfig
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.orchestrator import Chunk, Orchestrator, SubRequest
+from services.engine.sampling_params import SamplingParams
+from services.engine.tokenizer import Tokenizer
+from services.registry import RegistryConfig, RegistryView, WorkerRecord, tokenizer_hash
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The served model as the router needs it: a name, a tokenizer and its context length."""
+
+    name: str  # the id clients send as "model"
+    model_id: str  # the id workers publish in their fingerprint
+    tokenizer: Tokenizer
+    tokenizer_hash: str
+    max_model_len: int
+
+    @classmethod
+    def load(cls, config: RouterConfig) -> ModelInfo:
+        from services.engine.model.loader import model_name, resolve_model_dir
+
+        cache_dir = Path(config.cache_dir or Path.home() / ".cache" / "pdserve")
+        model_dir = resolve_model_dir(config.model, cache_dir)
+        hf_config = json.loads((model_dir / "config.json").read_text())
+        max_len = config.max_model_len or int(
+            hf_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
+        )
+        model_id = model_name(config.model)
+        return cls(
+            name=config.served_model_name or model_id,
+            model_id=model_id,
+            tokenizer=Tokenizer(model_dir),
+            tokenizer_hash=tokenizer_hash(model_dir),
+            max_model_len=max_len,
+        )
+
+
+class Gateway:
+    """The router's state, built once per process (or per test)."""
+
+    def __init__(
+        self, config: RouterConfig, model: ModelInfo, metrics: RouterMetrics | None = None
+    ):
+        self.config = config
+        self.model = model
+        self.metrics = metrics or RouterMetrics()
+        registry = RegistryConfig(
+            redis_url=config.redis_url,
+            prefix=config.redis_prefix,
+            ttl_seconds=config.ttl_seconds,
+            heartbeat_seconds=min(1.0, config.ttl_seconds / 2),
+        )
+        self.view = RegistryView(registry)
+        self.orchestrator = Orchestrator(config, self.view, self.metrics, self.rejection)
+        self.metrics.watch_workers(lambda role: len(self.orchestrator.routable(role)))  # type: ignore[arg-type]
+        self.num_in_flight = 0
+
+    async def start(self) -> None:
+        await self.view.refresh()
+        self.view.watch(self.config.refresh_seconds)
+
+    async def close(self) -> None:
+        await self.view.close()
+        await self.orchestrator.close()
+
+    def rejection(self, worker: WorkerRecord) -> str | None:
+        """Why this router cannot use ``worker`` (None: it can)."""
+        fp = worker.fingerprint
+        if fp.model_id != self.model.model_id:
+            return f"serves model {fp.model_id!r}, the router serves {self.model.model_id!r}"
+        if fp.tokenizer_hash != self.model.tokenizer_hash:
+            return "its tokenizer differs from the router's"
+        return None
+
+    # -- admission -----------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model.name:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{self.model.name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def acquire(self) -> None:
+        """Take a concurrency slot or refuse with 429 (give it back with ``release``)."""
+        if self.num_in_flight >= self.config.max_concurrency:
+            raise APIError(
+                429,
+                f"the router has {self.num_in_flight} requests in flight, its limit; retry later",
+                retry_after=self.config.retry_after_seconds,
+            )
+        self.num_in_flight += 1
+        self.metrics.in_flight.inc()
+
+    def release(self) -> None:
+        self.num_in_flight -= 1
+        self.metrics.in_flight.dec()
+
+    # -- prompts -------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.model.tokenizer.encode(prompt, add_special_tokens=not chat)
+        else:
+            ids = list(prompt)
+            vocab = self.model.tokenizer.vocab_size
+            if any(t >= vocab for t in ids):
+                raise APIError(
+                    400, f"prompt has token ids outside the vocabulary (size {vocab})", "prompt"
+                )
+        if not ids:
+            raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
+        return ids
+
+    def max_tokens_for(
+        self, prompt_len: int, requested: int | None, param: str, prompt_param: str
+    ) -> int:
+        """``requested`` checked against the context length (None: all the room left)."""
+        limit = self.model.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                413,
+                f"the prompt has {prompt_len} tokens; this model's context length is {limit} "
+                "tokens, and at least one token must be generated",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
+            raise APIError(
+                400,
+                f"this model's context length is {limit} tokens; the prompt has {prompt_len} and "
+                f"{param} asks for {requested} more",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    def sub_requests(
+        self, request_id: str, prompts: list[list[int]], make_params: Any
+    ) -> list[SubRequest]:
+        """One SubRequest per prompt; ``make_params(prompt_len)`` gives its SamplingParams."""
+        subs = []
+        for i, ids in enumerate(prompts):
+            params: SamplingParams = make_params(len(ids))
+            subs.append(SubRequest(f"{request_id}-{i}", ids, params))
+        return subs
+
+    async def chunks(self, subs: list[SubRequest]) -> AsyncGenerator[tuple[int, Chunk], None]:
+        """Every sub-request's chunks as (OpenAI choice index, chunk), interleaved as they come."""
+        n = subs[0].params.n
+        if len(subs) == 1:  # the common case: no tasks, no queue
+            async with aclosing(self.orchestrator.generate(subs[0])) as stream:
+                async for chunk in stream:
+                    yield chunk.index, chunk
+            return
+        queue: asyncio.Queue[tuple[int, Chunk] | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int, sub: SubRequest) -> None:
+            try:
+                async with aclosing(self.orchestrator.generate(sub)) as stream:
+                    async for chunk in stream:
+                        queue.put_nowait((i * n + chunk.index, chunk))
+                queue.put_nowait(None)
+            except BaseException as exc:  # noqa: BLE001 (handed to the consumer)
+                queue.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            with suppress(asyncio.CancelledError):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_unix() -> int:
+    return int(time.time())

@@ -1,0 +1,386 @@
+"""The router's side of a request's life: pick P and D, Prefill, relay the stream (section 1 of
+the architecture page).
+
+    choose P (policy) -> Prefill on P -> first token to the client at once
+      -> choose D among workers whose fingerprint equals P's -> Generate(prompt, first token,
+         KVHandle) on D -> relay D's chunks -> done
+
+A worker that fails before it has produced anything for this request (refused: full or
+draining; unreachable; crashed) is replaced by another worker of its pool, up to
+``max_attempts`` per pool. A decode worker that fails after its first chunk ends the request
+with an error. When no decode worker ever got the request, the router releases the prefill
+worker's pinned blocks itself (the lease is the backstop). A colocated worker does both phases
+(no KV handle) and is used when no prefill/decode pair is routable.
+
+No tensors here: token ids and text only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Iterator
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
+from router.config import RouterConfig
+from router.errors import APIError
+from router.metrics import RouterMetrics
+from router.policies import PolicyContext, RouteRequest, RoutingPolicy, make_policy
+from services.engine.sampling_params import SamplingParams
+from services.registry import RegistryView, Role, WorkerRecord
+from services.worker.convert import params_to_proto
+
+log = logging.getLogger(__name__)
+
+RELEASE_TIMEOUT_SECONDS = 2.0
+WorkerFilter = Callable[[WorkerRecord], str | None]  # None: the router may use it, else why not
+# Codes after which another worker may well succeed; anything else is the request's own fault.
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+@dataclass
+class Chunk:
+    """New output of one of a request's ``n`` sequences."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[list[tuple[int, float]]]  # per token: (token, logprob), sampled token first
+    finish_reason: str | None = None
+
+
+@dataclass
+class SubRequest:
+    """One prompt of an API request, as the workers see it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    num_cached_tokens: int = 0  # filled in: prompt tokens a worker's prefix cache already held
+    worker_ids: list[str] = field(default_factory=list)  # filled in: who served it
+
+
+class MidStreamError(APIError):
+    """A worker failed after the client already got part of the answer."""
+
+
+class Orchestrator:
+    """Routes sub-requests over the live registry view and streams their chunks."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        view: RegistryView,
+        metrics: RouterMetrics,
+        accepts: WorkerFilter,
+    ):
+        self.config = config
+        self.view = view
+        self.metrics = metrics
+        self.accepts = accepts
+        self.in_flight: Counter[str] = Counter()
+        context = PolicyContext(view, self.in_flight, config.prefix_load_weight)
+        self.policies: dict[Role, RoutingPolicy] = {
+            "prefill": make_policy(config.prefill_policy, context),
+            "decode": make_policy(config.decode_policy, context),
+            "colocated": make_policy(config.colocated_policy, context),
+        }
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        token = config.cluster_token
+        self._metadata: tuple[tuple[str, str], ...] = (("x-pdserve-token", token),) if token else ()
+
+    # -- who can serve -------------------------------------------------------------------------
+
+    def routable(self, role: Role) -> list[WorkerRecord]:
+        """Live, not draining, serving this router's model with this router's tokenizer."""
+        return [w for w in self.view.workers(role) if self.accepts(w) is None]
+
+    def prefill_candidates(self) -> list[WorkerRecord]:
+        decode_keys = {d.fingerprint for d in self.routable("decode")}
+        return [p for p in self.routable("prefill") if p.fingerprint in decode_keys]
+
+    def decode_candidates(self, prefill: WorkerRecord) -> list[WorkerRecord]:
+        return [d for d in self.routable("decode") if d.fingerprint == prefill.fingerprint]
+
+    def is_ready(self) -> tuple[bool, str]:
+        """Whether a request could be served now, and if not, why."""
+        if self.prefill_candidates() or self.routable("colocated"):
+            return True, "ok"
+        have = {role: len(self.routable(role)) for role in ("prefill", "decode", "colocated")}
+        if have["prefill"] and have["decode"]:
+            return False, "no prefill/decode pair has equal fingerprints (see /v1/workers)"
+        missing = [role for role in ("prefill", "decode") if not have[role]]
+        return False, f"no {' or '.join(missing)} worker is alive"
+
+    # -- the flow ------------------------------------------------------------------------------
+
+    async def generate(self, sub: SubRequest) -> AsyncGenerator[Chunk, None]:
+        """Chunks of ``sub``; APIError before the first chunk, MidStreamError after it."""
+        route = RouteRequest(sub.prompt_token_ids)
+        if self.prefill_candidates():
+            stream = self._disaggregated(sub, route)
+        elif self.routable("colocated"):
+            stream = self._colocated(sub, route)
+        else:
+            _, why = self.is_ready()
+            raise APIError(
+                503, f"cannot serve now: {why}", retry_after=self.config.retry_after_seconds
+            )
+        async with aclosing(stream):  # closed now, not when collected: the worker aborts at once
+            async for chunk in stream:
+                yield chunk
+
+    async def _disaggregated(
+        self, sub: SubRequest, route: RouteRequest
+    ) -> AsyncGenerator[Chunk, None]:
+        prefill, answer = await self._prefill(sub, route)
+        sub.num_cached_tokens = answer.num_cached_tokens
+        yield Chunk(
+            index=0,
+            text=answer.first_text,
+            token_ids=[answer.first_token],
+            logprobs=[_entries(answer.logprobs)] if sub.params.logprobs is not None else [],
+            finish_reason=answer.finish_reason or None,
+        )
+        if answer.finish_reason:  # the first token ended sequence 0; nothing is pinned
+            if sub.params.n > 1:
+                async for chunk in self._other_sequences(sub, route, prefill):
+                    yield chunk
+            return
+        request = pb.GenerateRequest(
+            prompt_token_ids=sub.prompt_token_ids,
+            sampling=params_to_proto(sub.params),
+            first_token=answer.first_token,
+            first_logprobs=answer.logprobs,
+            kv=answer.kv,
+        )
+        handed_over = False
+        stream = self._stream_with_retries(
+            "decode", sub, route, request, lambda: self.decode_candidates(prefill)
+        )
+        try:
+            async with aclosing(stream):
+                async for chunk in stream:
+                    handed_over = True
+                    yield chunk
+        finally:
+            if not handed_over:  # no decode worker took it: nobody will pull or release
+                self._spawn(self._release(answer.kv))
+
+    async def _other_sequences(
+        self, sub: SubRequest, route: RouteRequest, prefill: WorkerRecord
+    ) -> AsyncGenerator[Chunk, None]:
+        """n > 1 and sequence 0 ended at its first token: a decode worker computes the prompt
+        itself for sequences 1..n-1 (their seeds shifted as if they had been forked)."""
+        seed = None if sub.params.seed is None else sub.params.seed + 1
+        rest = dataclasses.replace(sub.params, n=sub.params.n - 1, seed=seed)
+        request = pb.GenerateRequest(
+            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(rest)
+        )
+        stream = self._stream_with_retries(
+            "decode", sub, route, request, lambda: self.decode_candidates(prefill)
+        )
+        async with aclosing(stream):
+            async for chunk in stream:
+                chunk.index += 1
+                yield chunk
+
+    async def _colocated(self, sub: SubRequest, route: RouteRequest) -> AsyncGenerator[Chunk, None]:
+        request = pb.GenerateRequest(
+            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(sub.params)
+        )
+        stream = self._stream_with_retries(
+            "colocated", sub, route, request, lambda: self.routable("colocated")
+        )
+        async with aclosing(stream):
+            async for chunk in stream:
+                yield chunk
+
+    async def _prefill(
+        self, sub: SubRequest, route: RouteRequest
+    ) -> tuple[WorkerRecord, pb.PrefillResponse]:
+        failed: set[str] = set()
+        last = "no prefill worker is alive"
+        for attempt in range(self.config.max_attempts):
+            candidates = [p for p in self.prefill_candidates() if p.worker_id not in failed]
+            if not candidates:
+                break
+            worker = await self._choose("prefill", candidates, route)
+            request = pb.PrefillRequest(
+                request_id=_attempt_id(sub.request_id, "p", attempt),
+                token_ids=sub.prompt_token_ids,
+                sampling=params_to_proto(sub.params),
+            )
+            stub = pb_grpc.PrefillServiceStub(self._channel(worker.grpc_address))
+            try:
+                with self._tracked(worker):
+                    answer = await stub.Prefill(
+                        request,
+                        timeout=self.config.prefill_timeout_seconds,
+                        metadata=self._metadata,
+                    )
+                sub.worker_ids.append(worker.worker_id)
+                return worker, answer
+            except grpc.aio.AioRpcError as exc:
+                last = self._failed("prefill", worker, exc)
+                failed.add(worker.worker_id)
+        raise APIError(503, f"prefill failed: {last}", retry_after=self.config.retry_after_seconds)
+
+    async def _stream_with_retries(
+        self,
+        pool: Role,
+        sub: SubRequest,
+        route: RouteRequest,
+        request: pb.GenerateRequest,
+        candidates_fn,  # type: ignore[no-untyped-def]
+    ) -> AsyncGenerator[Chunk, None]:
+        """Generate on a worker of ``pool``, moving to another one until the first chunk."""
+        failed: set[str] = set()
+        last = f"no {pool} worker is alive"
+        deadline = time.monotonic() + self.config.request_timeout_seconds
+        for attempt in range(self.config.max_attempts):
+            candidates = [w for w in candidates_fn() if w.worker_id not in failed]
+            if not candidates:
+                break
+            worker = await self._choose(pool, candidates, route)
+            request.request_id = _attempt_id(sub.request_id, pool[0], attempt)
+            stub = pb_grpc.DecodeServiceStub(self._channel(worker.grpc_address))
+            call = stub.Generate(
+                request, timeout=max(1.0, deadline - time.monotonic()), metadata=self._metadata
+            )
+            started = False
+            try:
+                with self._tracked(worker):
+                    async for message in call:
+                        if not started:
+                            started = True
+                            sub.worker_ids.append(worker.worker_id)
+                            if pool == "colocated":
+                                sub.num_cached_tokens = message.num_cached_tokens
+                        yield _chunk(message, sub.params.logprobs is not None)
+                return
+            except grpc.aio.AioRpcError as exc:
+                reason = self._failed(pool, worker, exc)
+                if started:
+                    raise MidStreamError(502, f"{pool} worker failed mid-stream: {reason}") from exc
+                last = reason
+                failed.add(worker.worker_id)
+            finally:
+                call.cancel()  # a no-op once finished; on client disconnect it aborts the request
+        raise APIError(503, f"{pool} failed: {last}", retry_after=self.config.retry_after_seconds)
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    async def _choose(
+        self, pool: Role, candidates: list[WorkerRecord], route: RouteRequest
+    ) -> WorkerRecord:
+        policy = self.policies[pool]
+        worker = await policy.choose(candidates, route)
+        self.metrics.routing.labels(pool=pool, policy=policy.name).inc()
+        return worker
+
+    def _failed(self, pool: Role, worker: WorkerRecord, exc: grpc.aio.AioRpcError) -> str:
+        """Classify a worker's failure: raise for the request's own errors, else describe it."""
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise APIError(400, details or "invalid request") from exc
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            log.error(
+                "%s refused the router's cluster token: check PDSERVE_CLUSTER_TOKEN",
+                worker.worker_id,
+            )
+        elif code not in RETRYABLE:
+            raise APIError(500, f"{pool} worker error: {code.name}: {details}") from exc
+        self.metrics.retries.labels(pool=pool, reason=code.name.lower()).inc()
+        log.warning(
+            "%s worker %s failed (%s: %s); trying another",
+            pool,
+            worker.worker_id,
+            code.name,
+            details,
+        )
+        return f"{worker.worker_id}: {code.name}: {details}"
+
+    @contextmanager
+    def _tracked(self, worker: WorkerRecord) -> Iterator[None]:
+        self.in_flight[worker.worker_id] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[worker.worker_id] -= 1
+            if not self.in_flight[worker.worker_id]:
+                del self.in_flight[worker.worker_id]
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 << 20)]
+            )
+            self._channels[address] = channel
+        return channel
+
+    async def _release(self, handle: pb.KVHandle) -> None:
+        if not handle.release_address:
+            return
+        stub = pb_grpc.PrefillServiceStub(self._channel(handle.release_address))
+        try:
+            await stub.Release(
+                pb.ReleaseRequest(request_id=handle.request_id),
+                timeout=RELEASE_TIMEOUT_SECONDS,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:  # the lease frees the blocks anyway
+            log.info("Release of %s not delivered (%s)", handle.request_id, exc.code().name)
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def forget_channels(self) -> None:
+        """Close channels to addresses no worker in the view has any more."""
+        live = {w.grpc_address for w in self.view.workers(include_draining=True)}
+        for address in list(self._channels):
+            if address not in live:
+                self._spawn(self._channels.pop(address).close())
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for channel in self._channels.values():
+            await channel.close()
+
+
+def _attempt_id(request_id: str, pool: str, attempt: int) -> str:
+    return f"{request_id}-{pool}{attempt}"
+
+
+def _entries(message: pb.TokenLogprobs) -> list[tuple[int, float]]:
+    return [(e.token_id, e.logprob) for e in message.entries]
+
+
+def _chunk(message: pb.GenerateChunk, with_logprobs: bool) -> Chunk:
+    return Chunk(
+        index=message.index,
+        text=message.text,
+        token_ids=list(message.token_ids),
+        logprobs=[_entries(lp) for lp in message.logprobs] if with_logprobs else [],
+        finish_reason=message.finish_reason or None,
+    )

@@ -1,0 +1,211 @@
+"""The OpenAI request bodies the gateway accepts, validated at the edge (pydantic).
+
+Fields OpenAI defines but pdserve cannot honour (tools, logit_bias, echo, suffix, best_of != n,
+non-text content) are refused with a 400 naming them rather than silently ignored; unknown
+extra fields are ignored, as OpenAI's own server does. vLLM's sampling extensions (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens) are accepted too.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator
+
+from router.errors import APIError
+from services.engine.sampling_params import SamplingParams
+
+MAX_N = 16
+MAX_STOP = 16
+INT64 = 2**63
+
+
+def _encodable(text: str) -> str:
+    """JSON may carry lone surrogates (``"\\ud800"``); no tokenizer or protobuf takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("must be valid Unicode text (it has a lone surrogate)") from exc
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_encodable)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """What both endpoints share: the model, sampling, stopping and streaming."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions
+    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        if value is not None and any(
+            s == "" for s in ([value] if isinstance(value, str) else value)
+        ):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
+            )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams (OpenAI's defaults where a field is absent)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                max_tokens=max_tokens,
+                stop=stop,
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as exc:  # SamplingParams names the field first
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``."""
+
+    prompt: (
+        Text
+        | Annotated[list[Text], Field(min_length=1, max_length=64)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: Text | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text":
+                param = f"messages.{index}.content.{j}.type"
+                raise APIError(400, f"only text content is supported, got {part.type!r}", param)
+            if part.text is None:
+                param = f"messages.{index}.content.{j}.text"
+                raise APIError(400, "a text part needs 'text'", param)
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise APIError(400, f"response_format {kind!r} is not supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template expects them (developer is the newer system)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            for i, m in enumerate(self.messages)
+        ]
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -1,0 +1,187 @@
+"""OpenAI response bodies and stream chunks, built from the orchestrator's `Chunk`s.
+
+`ResponseBuilder` knows one API request's shape (completions or chat, n, logprobs) and turns
+chunks into either stream events (``data: {...}``) or, accumulated, the final response.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from router.orchestrator import Chunk
+from services.engine.tokenizer import Tokenizer
+
+Kind = Literal["completion", "chat"]
+
+
+def sse(payload: dict[str, Any] | str) -> bytes:
+    """One server-sent event, as OpenAI frames it."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+DONE = sse("[DONE]")
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far."""
+
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    started: bool = False  # chat streams open each choice with the assistant role
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class ResponseBuilder:
+    """Formats one API request's output; ``index`` is OpenAI's choice index."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        created: int,
+        model: str,
+        num_choices: int,
+        tokenizer: Tokenizer,
+        num_logprobs: int | None,
+        include_usage: bool = False,
+    ):
+        self.kind = kind
+        self.id = request_id
+        self.created = created
+        self.model = model
+        self.tokenizer = tokenizer
+        self.num_logprobs = num_logprobs  # top alternatives per token; None: no logprobs
+        self.with_logprobs = num_logprobs is not None
+        self.include_usage = include_usage
+        self.choices = [Choice() for _ in range(num_choices)]
+        self.usage = Usage()
+        self._object = "text_completion" if kind == "completion" else "chat.completion"
+
+    def add(self, index: int, chunk: Chunk) -> None:
+        """Accumulate a chunk (non-streaming responses and usage)."""
+        choice = self.choices[index]
+        choice.text += chunk.text
+        choice.num_tokens += len(chunk.token_ids)
+        choice.logprobs += chunk.logprobs
+        if chunk.finish_reason:
+            choice.finish_reason = chunk.finish_reason
+        self.usage.completion_tokens += len(chunk.token_ids)
+
+    # -- streaming -----------------------------------------------------------------------------
+
+    def stream_event(self, index: int, chunk: Chunk) -> bytes | None:
+        """The SSE event for a chunk (None when it carries nothing a client would see)."""
+        choice = self.choices[index]
+        offset = len(choice.text)
+        self.add(index, chunk)
+        if not (chunk.text or chunk.finish_reason or chunk.logprobs or not choice.started):
+            return None
+        logprobs = None
+        if self.with_logprobs and chunk.logprobs:
+            logprobs = self._logprobs(chunk.logprobs, offset)
+        if self.kind == "completion":
+            body: dict[str, Any] = {"index": index, "text": chunk.text}
+        else:
+            delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
+            if chunk.text or not choice.started:
+                delta["content"] = chunk.text
+            body = {"index": index, "delta": delta}
+        choice.started = True
+        body["logprobs"] = logprobs
+        body["finish_reason"] = chunk.finish_reason
+        return sse(self._envelope([body], streaming=True))
+
+    def usage_event(self) -> bytes:
+        """The last event when ``stream_options.include_usage``: no choices, the usage."""
+        payload = self._envelope([], streaming=True)
+        payload["usage"] = self.usage.to_dict()
+        return sse(payload)
+
+    def error_event(self, message: str, status: int, kind: str) -> bytes:
+        return sse({"error": {"message": message, "type": kind, "param": None, "code": status}})
+
+    # -- the whole response --------------------------------------------------------------------
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, choice in enumerate(self.choices):
+            body: dict[str, Any] = {"index": index}
+            if self.kind == "completion":
+                body["text"] = choice.text
+            else:
+                body["message"] = {"role": "assistant", "content": choice.text}
+            body["logprobs"] = self._logprobs(choice.logprobs) if self.with_logprobs else None
+            body["finish_reason"] = choice.finish_reason
+            choices.append(body)
+        payload = self._envelope(choices, streaming=False)
+        payload["usage"] = self.usage.to_dict()
+        return payload
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _envelope(self, choices: list[dict[str, Any]], streaming: bool) -> dict[str, Any]:
+        kind = self._object + (".chunk" if streaming and self.kind == "chat" else "")
+        payload: dict[str, Any] = {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if streaming and self.include_usage:
+            payload["usage"] = None
+        return payload
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _top(self, entry: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The ``num_logprobs`` most likely tokens (the workers send the sampled one first, then
+        the top ones it is not among)."""
+        return sorted(entry, key=lambda item: -item[1])[: self.num_logprobs or 0]
+
+    def _logprobs(self, entries: list[list[tuple[int, float]]], offset: int = 0) -> dict[str, Any]:
+        entries = [e for e in entries if e]
+        if self.kind == "chat":
+            return {"content": [self._chat_entry(e) for e in entries]}
+        tokens = [self._token(e[0][0]) for e in entries]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[0][1] for e in entries],
+            "top_logprobs": [{self._token(t): lp for t, lp in self._top(e)} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, entry: list[tuple[int, float]]) -> dict[str, Any]:
+        def item(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        first = item(*entry[0])
+        first["top_logprobs"] = [item(t, lp) for t, lp in self._top(entry)]
+        return first

@@ -1,0 +1,236 @@
+"""The gateway as users see it: the official ``openai`` client over real HTTP, a real router
+process, real prefill and decode workers over real gRPC and a real KV transport, real Redis.
+
+Texts are compared with the offline engine on the same model (greedy), so a token lost, doubled
+or reordered anywhere between prefill, transfer, decode and SSE fails a test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from pdserve import SamplingParams
+from tests.router.cluster import MODEL, blocks_in_use, cluster, wait_until
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def disagg(redis_server):  # type: ignore[no-untyped-def]
+    with cluster(redis_server.url, ("prefill", "decode")) as (c, router):
+        yield c, router
+        prefill, decode = c.workers
+        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0), (
+            f"blocks leaked: prefill {blocks_in_use(prefill)}, decode {blocks_in_use(decode)}"
+        )
+
+
+@pytest.fixture(scope="module")
+def client(disagg):  # type: ignore[no-untyped-def]
+    return disagg[1].client()
+
+
+def offline(llm, prompts, **kwargs):  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=0, **kwargs)
+    return [out.outputs[0] for out in llm.generate(prompts, params)]
+
+
+def chat_prompt(llm) -> str:  # type: ignore[no-untyped-def]
+    return llm.get_tokenizer().apply_chat_template(CHAT)
+
+
+def test_completions_match_the_offline_engine(client, llm):  # type: ignore[no-untyped-def]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    expected = offline(llm, PROMPTS, max_tokens=12)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [c.text for c in response.choices] == [e.text for e in expected]
+    assert [c.finish_reason for c in response.choices] == ["length", "length"]
+    tokenizer = llm.get_tokenizer()
+    assert response.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in PROMPTS)
+    assert response.usage.completion_tokens == 24
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 24
+    assert response.object == "text_completion" and response.model == MODEL
+    assert response.id.startswith("cmpl-")
+
+
+def test_streamed_completion_is_the_same_text(client, llm):  # type: ignore[no-untyped-def]
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts, finishes, usage = ["", ""], [None, None], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                assert finishes[choice.index] is None, "finish_reason sent twice"
+                finishes[choice.index] = choice.finish_reason
+    assert texts == [e.text for e in offline(llm, PROMPTS, max_tokens=12)]
+    assert finishes == ["length", "length"]
+    assert usage is not None and usage.completion_tokens == 24
+
+
+def test_chat_completion(client, llm):  # type: ignore[no-untyped-def]
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=20, temperature=0
+    )
+    (expected,) = offline(llm, [chat_prompt(llm)], max_tokens=20)
+    (choice,) = response.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == expected.finish_reason
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = tokenizer.encode(chat_prompt(llm), add_special_tokens=False)
+    assert response.usage.prompt_tokens == len(prompt_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+
+
+def test_streamed_chat_completion(client, llm):  # type: ignore[no-untyped-def]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_completion_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    (expected,) = offline(llm, [chat_prompt(llm)], max_tokens=20)
+    assert text == expected.text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [expected.finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_stop_string_ends_the_text_before_it(client, llm):  # type: ignore[no-untyped-def]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stop=["."]
+    )
+    (expected,) = offline(llm, PROMPTS[:1], max_tokens=30, stop=["."])
+    assert response.choices[0].text == expected.text
+    assert "." not in response.choices[0].text
+    assert response.choices[0].finish_reason == "stop"
+
+
+def test_n_choices_with_a_seed_are_reproducible(client):  # type: ignore[no-untyped-def]
+    def ask() -> list[str]:
+        response = client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=1.0, n=3, seed=11
+        )
+        assert sorted(c.index for c in response.choices) == [0, 1, 2]
+        assert 3 <= response.usage.completion_tokens <= 30
+        return [c.text for c in sorted(response.choices, key=lambda c: c.index)]
+
+    first = ask()
+    assert ask() == first
+    assert len(set(first)) > 1, "three samples at temperature 1 were identical"
+
+
+def test_logprobs(client):  # type: ignore[no-untyped-def]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = response.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == response.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) == 3
+        assert top[token] == pytest.approx(logprob)  # greedy: the sampled token is the top one
+        assert max(top.values()) == pytest.approx(logprob)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(e.token for e in content) == chat.choices[0].message.content
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)
+
+
+def test_models_workers_and_metrics(disagg, client):  # type: ignore[no-untyped-def]
+    c, router = disagg
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, body = router.get("/v1/workers")
+    assert status == 200
+    rows = {w["role"]: w for w in body["data"]}
+    assert set(rows) == {"prefill", "decode"}
+    for role, worker in zip(("prefill", "decode"), c.workers):
+        row = rows[role]
+        assert row["pid"] == worker.pid and row["healthy"] is True
+        assert row["grpc_address"] == worker.info["grpc_address"]
+        assert row["kv_blocks_total"] == worker.info["num_blocks"]
+        for key in ("host", "fingerprint", "kv_blocks_used", "kv_blocks_cached", "num_running"):
+            assert key in row
+    assert rows["prefill"]["fingerprint"]["key"] == rows["decode"]["fingerprint"]["key"]
+    assert router.get("/health") == (200, {"status": "ok"})
+    assert router.get("/ready") == (200, {"status": "ready"})
+    labels = 'endpoint="/v1/completions",status="200"'
+    assert router.metric("pdserve_router_requests_total", labels) >= 1
+    assert router.metric("pdserve_router_ttft_seconds_count") >= 1
+    assert (
+        router.metric(
+            "pdserve_router_routing_decisions_total", 'policy="least_loaded",pool="decode"'
+        )
+        >= 1
+    )
+    assert router.metric("pdserve_router_workers", 'role="prefill"') == 1
+
+
+def test_client_disconnect_mid_stream_frees_the_decode_blocks(disagg):  # type: ignore[no-untyped-def]
+    c, router = disagg
+    prefill, decode = c.workers
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    made_before = router.metric("pdserve_router_generation_tokens_total")
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", router.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith("data: ")
+                if events == 5:
+                    break
+            held = blocks_in_use(decode)
+            assert held > 0, "the decode worker held no blocks mid-stream"
+    # The client is gone; the router must cancel the stream and the decode worker abort it.
+    start = time.monotonic()
+    assert wait_until(lambda: blocks_in_use(decode) == 0, timeout=10), "decode blocks leaked"
+    assert time.monotonic() - start < 10
+    assert wait_until(lambda: blocks_in_use(prefill) == 0, timeout=10), "prefill blocks leaked"
+    # and the generation did stop: far fewer than 400 tokens were made
+    made = router.metric("pdserve_router_generation_tokens_total") - made_before
+    assert 5 <= made < 400
+
+
+def test_colocated_worker_serves_the_same_text(redis_server, llm):  # type: ignore[no-untyped-def]
+    with cluster(redis_server.url, ("colocated",)) as (c, router):
+        response = router.client().chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=20, temperature=0
+        )
+        (expected,) = offline(llm, [chat_prompt(llm)], max_tokens=20)
+        assert response.choices[0].message.content == expected.text
+        assert wait_until(lambda: blocks_in_use(c.workers[0]) == 0)
