@@ -300,6 +300,12 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         default=_env("ready_timeout", 180.0),
         help="seconds to wait for the router's /ready",
     )
+    g.add_argument(
+        "--restart",
+        action="store_true",
+        default=_env("restart", False),
+        help="restart a component that exits, with a growing backoff (default: stop everything)",
+    )
 
 
 def cmd_up(args: argparse.Namespace) -> int:

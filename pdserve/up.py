@@ -13,6 +13,19 @@ Each component's output is echoed with a prefix (``[redis]``, ``[prefill-0]``, `
 ``[router]``). Children run in their own sessions, so a terminal's Ctrl-C reaches this process
 alone and the stop order holds; if this process is killed they die with it (PR_SET_PDEATHSIG).
 A second signal during the stop kills what is left at once.
+
+Without ``--restart`` a component that dies stops everything (exit 1). With ``--restart``, once
+the system is up, a worker, the router or Redis that exits (other than by our own stop) is
+reported and started again with the same arguments, after a backoff that grows while it keeps
+crashing (`pdserve.supervisor`); the router comes back on the same port, so the printed URL stays
+valid. A death during the start is still fatal: it is almost always a configuration error, and
+restarting would only repeat it until ``--ready-timeout``.
+
+Redis is restarted too, on the same port: it holds only soft state. The registry is rewritten by
+the workers' heartbeats, which re-register by themselves once Redis answers again (within their
+2 s backoff), and the router keeps its last view of the workers meanwhile (`services.registry`);
+persisting Redis's data would only bring back stale records. Failing to restart it (its port
+taken meanwhile) is fatal.
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from pdserve.supervisor import Restartable, Supervisor
 from services.engine.config import default_num_threads
 from services.redis_server import RedisServer, RedisServerError
 from services.worker.launcher import WorkerProcess
@@ -68,6 +82,7 @@ class UpConfig:
     cache_dir: str | None = None
     api_key: str | None = None
     ready_timeout: float = 180.0
+    restart: bool = False  # restart a component that exits, instead of stopping everything
 
     def __post_init__(self) -> None:
         if self.colocated < 0:
@@ -112,6 +127,7 @@ class UpConfig:
             cache_dir=args.cache_dir,
             api_key=args.api_key or None,
             ready_timeout=args.ready_timeout,
+            restart=args.restart,
         )
 
     @property
@@ -135,9 +151,11 @@ class UpConfig:
         args += _optional("--kv-cache-memory", self.kv_cache_memory)
         return args + self._shared_args()
 
-    def router_args(self, redis_url: str) -> list[str]:
-        """Command-line flags of the router (the API key goes by environment, not in `ps`)."""
-        args = ["--host", "127.0.0.1", "--port", str(self.port), "--redis-url", redis_url]
+    def router_args(self, redis_url: str, port: int | None = None) -> list[str]:
+        """Command-line flags of the router (the API key goes by environment, not in `ps`);
+        ``port`` replaces ``--port`` (a restarted router keeps the port it had)."""
+        port = self.port if port is None else port
+        args = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url]
         return args + self._shared_args()
 
     def _shared_args(self) -> list[str]:
@@ -153,6 +171,13 @@ def _exit_text(code: int | None) -> str:
     if code is not None and code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
+
+
+def _exit_reason(code: int | None) -> str:
+    """'killed by SIGKILL', 'exit code 1', or '' when unknown."""
+    if code is None:
+        return ""
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _check_port(port: int) -> None:
@@ -210,6 +235,20 @@ class Component(WorkerProcess):
         super().__init__(role, args, env=env, echo_prefix=f"[{name}]", new_session=True)
         self.name = name
 
+    def is_ready(self) -> bool:
+        return bool(self.info)
+
+    def exit_reason(self) -> str:
+        return _exit_reason(self.proc.returncode if self.proc is not None else None)
+
+    def respawn(self) -> int:
+        """The same command again (call it from the main thread); its ready line comes later."""
+        try:
+            self.spawn()
+        except OSError as exc:
+            raise UpError(f"could not restart {self.name}: {exc}") from exc
+        return self.pid
+
     def describe(self) -> str:
         """One summary line: name, pid and where it listens."""
         info = self.info
@@ -219,6 +258,36 @@ class Component(WorkerProcess):
             where += [f"kv {info['kv_address']}"] if info.get("kv_address") else []
             where += [f"metrics :{info['metrics_port']}"] if info.get("metrics_port") else []
         return f"  {self.name:<12} pid {self.pid:<8} {'  '.join(where)}"
+
+
+class RedisUnit:
+    """The Redis server as the supervisor sees it: restarted on the same port (the workers'
+    --redis-url) with empty data, in the same folder (its log keeps being echoed)."""
+
+    name = "redis"
+
+    def __init__(self, redis: RedisServer):
+        self.redis = redis
+
+    def is_alive(self) -> bool:
+        return self.redis.is_running
+
+    def is_ready(self) -> bool:
+        return self.redis.is_running  # respawn() returns once it answers
+
+    def exit_reason(self) -> str:
+        return ""  # RedisServer keeps the code to itself; its log is echoed as [redis]
+
+    def respawn(self) -> int:
+        try:
+            self.redis.restart()  # blocks until it answers: milliseconds
+        except RedisServerError as exc:
+            raise UpError(f"could not restart redis-server: {exc}") from exc
+        assert self.redis.pid is not None
+        return self.redis.pid
+
+    def kill(self) -> None:
+        pass  # never called: it is ready as soon as respawn() returns
 
 
 class LogTail:
@@ -258,7 +327,7 @@ class UpSystem:
     def __init__(self, config: UpConfig):
         self.config = config
         self.redis = RedisServer()
-        self.redis_pid: int | None = None
+        self.redis_pid: int | None = None  # the first server's (redis.pid is None once it died)
         self.workers: list[Component] = []
         self.router: Component | None = None
         self._redis_log: LogTail | None = None
@@ -396,13 +465,29 @@ class UpSystem:
             f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
             f"    -d '{json.dumps({**body, 'max_tokens': 32})}'",
             "",
+            *(
+                ["--restart is on: a component that exits is reported and started again."]
+                if self.config.restart
+                else []
+            ),
             "Ctrl-C stops everything.",
         ]
         return "\n".join(lines)
 
     def watch(self) -> None:
-        """Return when a stop signal comes; raise UpError when a component dies."""
-        self._wait(lambda: False, "", None)
+        """Return when a stop signal comes. A component that dies: with --restart it is started
+        again (UpError only if Redis cannot be), else UpError."""
+        if not self.config.restart:
+            self._wait(lambda: False, "", None)
+            return
+        assert self.router is not None
+        # The router must come back where the summary said, also when --port 0 picked the port.
+        self.router.args = self.config.router_args(self.redis.url, int(self.router.info["port"]))
+        units: list[Restartable] = [RedisUnit(self.redis), *self.components]
+        supervisor = Supervisor(units, _say, self.config.ready_timeout)
+        while not self._stop_requested.is_set():
+            supervisor.poll()  # on the main thread: see Supervisor
+            self._stop_requested.wait(POLL_SECONDS)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -426,7 +511,7 @@ class UpSystem:
         _say("stopped")
 
     def _stop_in_order(self) -> None:
-        if self.router is not None and self.router.proc is not None:
+        if self.router is not None and self.router.is_alive():  # not: dead, awaiting a restart
             _say("stopping the router")
             self._report(self.router, self.router.terminate(ROUTER_STOP_SECONDS))
         running = [w for w in self.workers if w.is_alive()]

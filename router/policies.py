@@ -11,7 +11,6 @@ plus what the worker last published (its waiting queue and KV usage, up to a hea
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -117,6 +116,9 @@ class PrefixAwarePolicy(RoutingPolicy):
         hashes = request.block_hashes(block_size)
         if not hashes:
             return self.least_loaded(candidates)
+        if len(candidates) == 1:  # nothing to choose; remember it for when there is
+            self._remember(candidates[0].worker_id, hashes)
+            return candidates[0]
         published = await self._published(candidates, hashes)
         highest = max(self.load(w) for w in candidates) or 1.0
         weight = self.context.prefix_load_weight
@@ -134,15 +136,13 @@ class PrefixAwarePolicy(RoutingPolicy):
         self, candidates: Sequence[WorkerRecord], hashes: list[int]
     ) -> dict[str, int]:
         """Cached leading blocks per worker from the Redis index; a hint, so it never waits
-        long: skipped while Redis is unreachable, bounded by PREFIX_LOOKUP_SECONDS."""
+        long: bounded by PREFIX_LOOKUP_SECONDS, skipped while Redis is unreachable and when no
+        candidate has published any cached block."""
         view = self.context.view
-        if view.is_stale:
+        if view.is_stale or not any(w.kv_blocks_cached for w in candidates):
             return {}
         ids = [w.worker_id for w in candidates]
-        try:
-            return await asyncio.wait_for(view.prefix_match(ids, hashes), PREFIX_LOOKUP_SECONDS)
-        except asyncio.TimeoutError:
-            return {}
+        return await view.prefix_match(ids, hashes, timeout=PREFIX_LOOKUP_SECONDS)
 
     def _remembered(self, worker_id: str, hashes: list[int]) -> int:
         count = 0

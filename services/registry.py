@@ -613,9 +613,10 @@ class RegistryView:
         return pairs
 
     async def prefix_match(
-        self, worker_ids: Sequence[str], block_hashes: Sequence[int]
+        self, worker_ids: Sequence[str], block_hashes: Sequence[int], timeout: float | None = None
     ) -> dict[str, int]:
-        """For each worker, how many leading ``block_hashes`` it caches (0s if Redis is down)."""
+        """For each worker, how many leading ``block_hashes`` it caches (0s if Redis is down or
+        slower than ``timeout``, default the command timeout)."""
         matches = dict.fromkeys(worker_ids, 0)
         if not worker_ids or not block_hashes:
             return matches
@@ -623,7 +624,8 @@ class RegistryView:
         for worker_id in worker_ids:
             pipe.smismember(self.config.prefix_key(worker_id), list(block_hashes))
         try:
-            results = await _bounded(pipe.execute(), self.config)
+            limit = self.config.command_timeout_seconds if timeout is None else timeout
+            results = await asyncio.wait_for(pipe.execute(), limit)
         except REDIS_ERRORS as exc:
             logger.debug("prefix_match: %s", describe_error(exc, self.config))
             return matches

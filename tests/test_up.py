@@ -3,6 +3,7 @@ the official OpenAI client; then a signal must stop everything and leave nothing
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 
 import openai
 import pytest
+
+from pdserve.supervisor import Backoff, Supervisor
 
 CLI = [sys.executable, "-m", "pdserve.cli", "up"]
 SMALL = ["--port", "0", "--num-blocks", "128"]
@@ -44,6 +47,19 @@ class Up:
         match = re.search(pattern, self.output, re.MULTILINE)
         assert match, f"{pattern!r} not in the output:\n{self.output}"
         return match.group(1)
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        """``find`` once the pattern has been printed."""
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.output, re.MULTILINE) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return self.find(pattern)
+
+    @property
+    def summary_pids(self) -> dict[str, int]:
+        """Component name -> pid, from the summary."""
+        found = re.findall(r"^  (\S+) +pid (\d+)", self.output, re.MULTILINE)
+        return {name: int(pid) for name, pid in found}
 
 
 def start_up(*args: str) -> Up:
@@ -138,7 +154,21 @@ def test_up_serves_a_chat_completion_then_stops_cleanly(sig: int, extra: list[st
                 anonymous.models.list()
     finally:
         code = stop(up, sig)
+    assert_stopped_cleanly(up, code, pids, url)
 
+
+def ask(client: openai.OpenAI, model: str) -> str:
+    """One short chat completion; its text."""
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    return reply.choices[0].message.content or ""
+
+
+def assert_stopped_cleanly(up: Up, code: int, pids: set[int], url: str) -> None:
     assert code == 0, up.output
     assert up.lines[-1] == "[up] stopped", up.output
     deadline = time.monotonic() + 5
@@ -146,6 +176,39 @@ def test_up_serves_a_chat_completion_then_stops_cleanly(sig: int, extra: list[st
         time.sleep(0.1)
     assert [pid for pid in pids if not is_gone(pid)] == [], up.output
     assert can_listen(int(url.rpartition(":")[2]))
+
+
+@pytest.mark.timeout(300)
+def test_restart_brings_a_killed_decode_worker_back() -> None:
+    up = start_up("--restart")
+    pids = set(up.summary_pids.values())
+    url = up.find(r"^pdserve is up: (http://\S+)")
+    try:
+        assert "--restart is on" in up.output
+        model = up.find(r"^pdserve is up: \S+ \(model (.+)\)$")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        assert ask(client, model).strip()
+
+        os.kill(up.summary_pids["decode-0"], signal.SIGKILL)
+        up.wait_for(r"^\[up\] (decode-0 exited \(killed by SIGKILL\); restarting)", 10)
+        new_pid = int(up.wait_for(r"^\[up\] restarted decode-0: pid (\d+)", 10))
+        pids.add(new_pid)
+        assert new_pid not in up.summary_pids.values()
+        # 503s until the new decode worker has loaded and registered (the dead one may stay
+        # in the registry for its TTL, but it is the only decode worker: nothing to retry on).
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert ask(client, model).strip()
+                break
+            except (openai.APIStatusError, openai.APIConnectionError):
+                assert time.monotonic() < deadline, f"no answer after the restart:\n{up.output}"
+                time.sleep(0.5)
+        assert "[up] decode-0 is ready again" in up.output
+        assert up.proc.poll() is None  # the rest of the system never stopped
+    finally:
+        code = stop(up, signal.SIGINT)
+    assert_stopped_cleanly(up, code, pids, url)
 
 
 @pytest.mark.parametrize(
@@ -161,3 +224,83 @@ def test_bad_flags_are_a_message_not_a_traceback(args: list[str], message: str) 
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "[up]" not in proc.stdout  # nothing was started
+
+
+class FakeUnit:
+    """A component for the supervisor: alive or not, ready or not, respawns counted."""
+
+    def __init__(self, name: str = "decode-0"):
+        self.name = name
+        self.alive = True
+        self.ready = True
+        self.pid = 100
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def exit_reason(self) -> str:
+        return "killed by SIGKILL"
+
+    def respawn(self) -> int:
+        self.alive, self.ready, self.pid = True, False, self.pid + 1
+        return self.pid
+
+    def kill(self) -> None:
+        self.alive = False
+
+
+def test_backoff_doubles_up_to_a_cap_and_resets_once_stable() -> None:
+    backoff = Backoff()
+    assert [backoff.next_delay(0) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    assert backoff.next_delay(59) == 30  # up less than a minute: still crashing
+    assert backoff.next_delay(60) == 1  # up a minute: a new incident
+
+
+def test_supervisor_restarts_after_the_backoff_without_waiting_for_ready() -> None:
+    now = [0.0]
+    said: list[str] = []
+    unit = FakeUnit()
+    supervisor = Supervisor([unit], said.append, ready_timeout=20, clock=lambda: now[0])
+    supervisor.poll()
+    assert said == []
+
+    unit.alive = False
+    supervisor.poll()
+    assert said == ["decode-0 exited (killed by SIGKILL); restarting in 1 s (restart 1)"]
+    now[0] = 0.5
+    supervisor.poll()  # still backing off
+    assert unit.pid == 100
+    now[0] = 1.0
+    supervisor.poll()
+    assert said[-1] == "restarted decode-0: pid 101"
+    now[0] = 1.5
+    supervisor.poll()  # not ready yet: nothing to say, nothing blocks
+    assert len(said) == 2
+    unit.ready = True
+    supervisor.poll()
+    assert said[-1] == "decode-0 is ready again"
+
+    unit.alive = False  # crashes again within a minute of being ready: a longer wait
+    supervisor.poll()
+    assert said[-1] == "decode-0 exited (killed by SIGKILL); restarting in 2 s (restart 2)"
+    assert supervisor.restarts("decode-0") == 2
+
+
+def test_supervisor_kills_a_restarted_unit_that_never_gets_ready() -> None:
+    now = [0.0]
+    said: list[str] = []
+    unit = FakeUnit()
+    supervisor = Supervisor([unit], said.append, ready_timeout=20, clock=lambda: now[0])
+    unit.alive = False
+    supervisor.poll()
+    now[0] = 1.0
+    supervisor.poll()  # respawned, not ready
+    now[0] = 21.5
+    supervisor.poll()
+    assert "printed no ready line within 20 s" in said[-1]
+    assert not unit.alive
+    supervisor.poll()
+    assert said[-1] == "decode-0 exited (killed by SIGKILL); restarting in 2 s (restart 2)"

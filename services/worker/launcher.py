@@ -58,8 +58,11 @@ class WorkerProcess:
         """Start the child without waiting (start several, then ``wait_ready`` each).
 
         Call it from the thread that lives as long as the child should: Linux delivers the
-        parent-death signal when the spawning *thread* exits.
+        parent-death signal when the spawning *thread* exits. Spawning again (a restart) waits
+        for the new run's ready line.
         """
+        self.info = {}
+        self._ready.clear()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve.cli", self.role, *self.args],
             stdin=subprocess.DEVNULL,
