@@ -100,16 +100,27 @@ class ResponseBuilder:
         if self.with_logprobs and chunk.logprobs:
             logprobs = self._logprobs(chunk.logprobs, offset)
         if self.kind == "completion":
-            body: dict[str, Any] = {"index": index, "text": chunk.text}
-        else:
-            delta: dict[str, Any] = {} if choice.started else {"role": "assistant"}
-            if chunk.text or not choice.started:
-                delta["content"] = chunk.text
-            body = {"index": index, "delta": delta}
-        choice.started = True
-        body["logprobs"] = logprobs
-        body["finish_reason"] = chunk.finish_reason
-        return sse(self._envelope([body], streaming=True))
+            body = {"index": index, "text": chunk.text, "logprobs": logprobs}
+            choice.started = True
+            return sse(self._choice_event(body, chunk.finish_reason))
+        # Chat streams as OpenAI's do: the role alone first, then content deltas, then an
+        # empty delta carrying the finish reason.
+        events = []
+        if not choice.started:
+            choice.started = True
+            role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            events.append(self._choice_event(role, None))
+        if chunk.text or logprobs:
+            content = {"index": index, "delta": {"content": chunk.text}, "logprobs": logprobs}
+            events.append(self._choice_event(content, None))
+        if chunk.finish_reason:
+            end = {"index": index, "delta": {}, "logprobs": None}
+            events.append(self._choice_event(end, chunk.finish_reason))
+        return b"".join(sse(e) for e in events) or None
+
+    def _choice_event(self, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        body["finish_reason"] = finish_reason
+        return self._envelope([body], streaming=True)
 
     def usage_event(self) -> bytes:
         """The last event when ``stream_options.include_usage``: no choices, the usage."""

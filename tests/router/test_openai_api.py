@@ -109,7 +109,11 @@ def test_streamed_chat_completion(client, llm):  # type: ignore[no-untyped-def]
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
+    # As OpenAI streams: the role alone, content deltas, an empty delta with the finish reason.
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].choices[0].delta.content == ""
+    (last,) = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert last.choices[0].delta.content is None and last.choices[0].delta.role is None
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     (expected,) = offline(llm, [chat_prompt(llm)], max_tokens=20)
