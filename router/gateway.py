@@ -25,6 +25,7 @@ from services.registry import RegistryConfig, RegistryView, WorkerRecord, tokeni
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
+CHANNEL_PRUNE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -76,14 +77,26 @@ class Gateway:
         self.orchestrator = Orchestrator(config, self.view, self.metrics, self.rejection)
         self.metrics.watch_workers(lambda role: len(self.orchestrator.routable(role)))  # type: ignore[arg-type]
         self.num_in_flight = 0
+        self._pruner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.view.refresh()
         self.view.watch(self.config.refresh_seconds)
+        self._pruner = asyncio.create_task(self._prune_channels(), name="prune-channels")
 
     async def close(self) -> None:
+        if self._pruner is not None:
+            self._pruner.cancel()
+            await asyncio.gather(self._pruner, return_exceptions=True)
         await self.view.close()
         await self.orchestrator.close()
+
+    async def _prune_channels(self) -> None:
+        """Close gRPC channels of workers that left (autoscaled pools churn addresses)."""
+        while True:
+            await asyncio.sleep(CHANNEL_PRUNE_SECONDS)
+            if not self.view.is_stale:
+                self.orchestrator.forget_channels()
 
     def rejection(self, worker: WorkerRecord) -> str | None:
         """Why this router cannot use ``worker`` (None: it can)."""

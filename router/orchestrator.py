@@ -102,6 +102,7 @@ class Orchestrator:
             "colocated": make_policy(config.colocated_policy, context),
         }
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._busy: Counter[str] = Counter()  # grpc address -> calls in flight
         self._background: set[asyncio.Task[None]] = set()
         token = config.cluster_token
         self._metadata: tuple[tuple[str, str], ...] = (("x-pdserve-token", token),) if token else ()
@@ -320,13 +321,17 @@ class Orchestrator:
 
     @contextmanager
     def _tracked(self, worker: WorkerRecord) -> Iterator[None]:
-        self.in_flight[worker.worker_id] += 1
+        """Count the call in the worker's in-flight load (and keep its channel open)."""
+        keys = ((self.in_flight, worker.worker_id), (self._busy, worker.grpc_address))
+        for counter, key in keys:
+            counter[key] += 1
         try:
             yield
         finally:
-            self.in_flight[worker.worker_id] -= 1
-            if not self.in_flight[worker.worker_id]:
-                del self.in_flight[worker.worker_id]
+            for counter, key in keys:
+                counter[key] -= 1
+                if not counter[key]:
+                    del counter[key]
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
@@ -356,10 +361,11 @@ class Orchestrator:
         task.add_done_callback(self._background.discard)
 
     def forget_channels(self) -> None:
-        """Close channels to addresses no worker in the view has any more."""
+        """Close channels to addresses no worker in the view has any more and no call uses (a
+        draining worker leaves the registry before its last streams end)."""
         live = {w.grpc_address for w in self.view.workers(include_draining=True)}
         for address in list(self._channels):
-            if address not in live:
+            if address not in live and address not in self._busy:
                 self._spawn(self._channels.pop(address).close())
 
     async def close(self) -> None:
