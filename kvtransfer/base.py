@@ -209,8 +209,12 @@ class KVTransferServer(_Endpoint, abc.ABC):
         self.token = token
 
     @abc.abstractmethod
-    async def start(self, host: str = "127.0.0.1") -> str:
-        """Listen on ``host`` (an ephemeral port) and return the address to advertise."""
+    async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
+        """Listen on ``host`` (an ephemeral port) and return the address to advertise.
+
+        The address names ``advertise_host`` when given (what peers can reach: a worker bound
+        to 0.0.0.0 passes its container's address), else ``host``.
+        """
 
     @abc.abstractmethod
     async def stop(self) -> None:

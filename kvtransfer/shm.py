@@ -43,9 +43,10 @@ class ShmKVServer(TcpKVServer):
             raise ValueError("the shm transport needs the KV cache's shared-memory file (path=)")
         self.path = path
 
-    async def start(self, host: str = "127.0.0.1") -> str:
+    async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         port = self._listener.start(host)
-        return f"shm://{_format_host(host)}:{port}?path={urllib.parse.quote(self.path)}"
+        shown = _format_host(advertise_host or host)
+        return f"shm://{shown}:{port}?path={urllib.parse.quote(self.path)}"
 
     async def _serve_request(
         self,

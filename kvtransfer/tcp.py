@@ -65,9 +65,9 @@ class TcpKVServer(KVTransferServer):
         self.zero_copy = zero_copy
         self._listener = framing.SocketListener(self._serve_connection)
 
-    async def start(self, host: str = "127.0.0.1") -> str:
+    async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         port = self._listener.start(host)
-        return f"tcp://{_format_host(host)}:{port}"
+        return f"tcp://{_format_host(advertise_host or host)}:{port}"
 
     async def stop(self) -> None:
         await self._listener.stop()

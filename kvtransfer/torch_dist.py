@@ -108,11 +108,12 @@ class TorchKVServer(KVTransferServer):
         self._listener = framing.SocketListener(self._serve_connection)
         self._store: dist.TCPStore | None = None
 
-    async def start(self, host: str = "127.0.0.1") -> str:
+    async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         limit = datetime.timedelta(seconds=self.group_timeout)
         self._store = dist.TCPStore(host, 0, None, True, limit, wait_for_workers=False)
         port = self._listener.start(host)
-        shown = f"[{host}]" if ":" in host else host
+        public = advertise_host or host
+        shown = f"[{public}]" if ":" in public else public
         return f"torch://{shown}:{port}?store={self._store.port}"
 
     async def stop(self) -> None:

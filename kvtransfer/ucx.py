@@ -127,9 +127,10 @@ class UcxKVServer(KVTransferServer):
         self._listener: Any = None
         self._endpoints: set[Any] = set()
 
-    async def start(self, host: str = "127.0.0.1") -> str:
+    async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         self._listener = self._ucxx.create_listener(self._serve_endpoint, 0)
-        shown = f"[{host}]" if ":" in host else host
+        public = advertise_host or host
+        shown = f"[{public}]" if ":" in public else public
         return f"ucx://{shown}:{self._listener.port}"
 
     async def stop(self) -> None:

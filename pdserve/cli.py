@@ -48,6 +48,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=_env("dtype", "float32"), choices=["float32", "bfloat16", "float16"]
     )
     g.add_argument(
+        "--device",
+        default=_env("device", "cpu"),
+        help="torch device for the model and KV cache: cpu, cuda, cuda:1 ...",
+    )
+    g.add_argument(
         "--threads",
         type=int,
         default=_env("threads", default_num_threads()),
@@ -100,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
+        device=args.device,
         num_threads=args.threads,
         max_model_len=args.max_model_len,
         seed=args.seed,
@@ -128,7 +134,8 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--advertise-host",
         default=_env("advertise_host", None),
-        help="address peers use to reach this worker (default: --host)",
+        help="address peers use to reach this worker (default: --host, or this host's address "
+        "when --host is 0.0.0.0 / ::)",
     )
     g.add_argument("--grpc-port", type=int, default=_env("grpc_port", 0), help="0: any free port")
     g.add_argument(

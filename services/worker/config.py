@@ -2,12 +2,40 @@
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from dataclasses import dataclass, field
 
 from services.engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "colocated")
 READY_PREFIX = "PDSERVE_READY "  # the line a worker prints once it listens
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # bind to every interface: not an address to dial
+
+
+def reachable_host(bind_host: str) -> str:
+    """The address peers use for a socket bound to ``bind_host``.
+
+    A specific address is its own answer. A wildcard bind (a container's 0.0.0.0) is not
+    dialable from another machine, so it becomes this host's name resolved to an address (in a
+    container: the container's address on its network), a non-loopback one when there is one;
+    the name itself when it does not resolve.
+    """
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    name = socket.gethostname()
+    # A 0.0.0.0 socket accepts IPv4 only; a :: socket is dual-stack and takes either.
+    family = socket.AF_INET if bind_host == "0.0.0.0" else socket.AF_UNSPEC
+    try:
+        infos = socket.getaddrinfo(name, None, family, socket.SOCK_STREAM)
+    except OSError:
+        return name
+    addresses = [str(info[4][0]) for info in infos]
+    for address in addresses:
+        ip = ipaddress.ip_address(address)
+        if not (ip.is_loopback or ip.is_link_local):  # fe80:: would need a scope id
+            return address
+    return addresses[0] if addresses else name
 
 
 @dataclass(frozen=True)
@@ -15,7 +43,7 @@ class WorkerConfig:
     role: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"  # bind address; 0.0.0.0 in containers
-    advertise_host: str | None = None  # the address peers use (default: host)
+    advertise_host: str | None = None  # the address peers use (default: reachable_host(host))
     grpc_port: int = 0  # 0: ephemeral
     metrics_port: int = 0  # Prometheus /metrics over HTTP; 0: ephemeral, -1: off
     kv_transport: str = "tcp"
@@ -44,4 +72,6 @@ class WorkerConfig:
 
     @property
     def public_host(self) -> str:
-        return self.advertise_host or self.host
+        """The host this worker registers for its gRPC and KV addresses (resolved on each call:
+        read it once)."""
+        return self.advertise_host or reachable_host(self.host)

@@ -129,6 +129,7 @@ class Worker:
         self.registration: WorkerRegistration | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        self._public_host = config.host  # what peers dial; set by run()
 
     async def run(self) -> None:
         cfg = self.config
@@ -137,8 +138,9 @@ class Worker:
         if cfg.cluster_token:
             interceptors.append(ClusterTokenInterceptor(cfg.cluster_token))
         server = grpc.aio.server(interceptors=interceptors)
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
-        grpc_address = f"{cfg.public_host}:{port}"
+        port = server.add_insecure_port(f"{_bracketed(cfg.host)}:{cfg.grpc_port}")
+        self._public_host = cfg.public_host  # 0.0.0.0 -> this container's address, once
+        grpc_address = f"{_bracketed(self._public_host)}:{port}"
         health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         transfer_server = await self._add_services(server, grpc_address)
@@ -185,7 +187,7 @@ class Worker:
             transfer_server = kvtransfer.make_server(
                 cfg.kv_transport, leases, self.layout, token, **options
             )
-            self._kv_address = await transfer_server.start(cfg.host)
+            self._kv_address = await transfer_server.start(cfg.host, self._public_host)
             identity = PrefillIdentity(
                 self.worker_id,
                 grpc_address,
@@ -283,6 +285,11 @@ class Worker:
         if self.shm_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.shm_path)
+
+
+def _bracketed(host: str) -> str:
+    """``host`` as the host part of ``host:port`` (IPv6 addresses in brackets)."""
+    return f"[{host}]" if ":" in host else host
 
 
 def run_worker(config: WorkerConfig, cache_dir: Path | None = None) -> None:
