@@ -42,26 +42,12 @@ def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
 
 @triton.jit
 def _write_kv_kernel(
-    key_ptr,
-    value_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_kd,  # key [num_tokens, kvh, hd]
-    stride_vt,
-    stride_vh,
-    stride_vd,  # value [num_tokens, kvh, hd]
-    stride_cb,
-    stride_co,
-    stride_ch,
-    stride_cd,  # caches [num_blocks, block_size, kvh, hd]
-    num_kv_heads,
-    head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_kd,  # key [num_tokens, kvh, hd]
+    stride_vt, stride_vh, stride_vd,  # value [num_tokens, kvh, hd]
+    stride_cb, stride_co, stride_ch, stride_cd,  # caches [num_blocks, block_size, kvh, hd]
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per token: store its [kvh, hd] key and value tiles at its slot."""
     token = tl.program_id(0).to(tl.int64)
@@ -96,19 +82,10 @@ def write_kv(
     if num_tokens == 0:
         return
     _write_kv_kernel[(num_tokens,)](
-        key,
-        value,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        *key.stride(),
-        *value.stride(),
-        *key_cache.stride(),
-        num_kv_heads,
-        head_dim,
-        BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_H=_pow2(num_kv_heads),
-        BLOCK_D=_pow2(head_dim),
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim),
     )
 
 
@@ -119,19 +96,8 @@ def write_kv(
 
 @triton.jit
 def _load_kv_tile(
-    cache_ptr,
-    table_row_ptr,
-    stride_tb,
-    n,
-    n_mask,
-    kv_head,
-    d,
-    d_mask,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    stride_cd,
-    BLOCK_SIZE: tl.constexpr,
+    cache_ptr, table_row_ptr, stride_tb, n, n_mask, kv_head, d, d_mask,
+    stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE: tl.constexpr,
 ):
     """Gather tokens ``n`` (a [BLOCK_N] vector) of one KV head as a [BLOCK_N, BLOCK_D] tile."""
     block = tl.load(table_row_ptr + (n // BLOCK_SIZE) * stride_tb, mask=n_mask, other=0)
@@ -147,31 +113,13 @@ def _load_kv_tile(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_ptr,
-    ctx_ptr,
-    out_ptr,
-    stride_qs,
-    stride_qh,
-    stride_qd,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    stride_cd,
-    stride_ts,
-    stride_tb,
-    stride_os,
-    stride_oh,
-    stride_od,
-    qk_scale,
-    max_len,
-    group,
-    head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_ts, stride_tb,
+    stride_os, stride_oh, stride_od,
+    qk_scale, max_len, group, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """One program per (sequence, KV head): its ``group`` query heads share each loaded KV tile.
@@ -198,36 +146,10 @@ def _decode_kernel(
     for start in range(0, ctx, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < ctx
-        k = _load_kv_tile(
-            k_cache_ptr,
-            table_row,
-            stride_tb,
-            n,
-            n_mask,
-            kv_head,
-            d,
-            d_mask,
-            stride_cb,
-            stride_co,
-            stride_ch,
-            stride_cd,
-            BLOCK_SIZE,
-        )
-        v = _load_kv_tile(
-            v_cache_ptr,
-            table_row,
-            stride_tb,
-            n,
-            n_mask,
-            kv_head,
-            d,
-            d_mask,
-            stride_cb,
-            stride_co,
-            stride_ch,
-            stride_cd,
-            BLOCK_SIZE,
-        )
+        k = _load_kv_tile(k_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
+        v = _load_kv_tile(v_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds >= 1 valid key (start < ctx), so m_new is finite: no inf - inf.
@@ -275,24 +197,11 @@ def paged_attention_decode(
     block_g, block_d = _pow2(group), _pow2(head_dim)
     max_len = 2**31 - 1 if max_context_len is None else int(max_context_len)
     _decode_kernel[(num_seqs, num_kv_heads)](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        context_lens,
-        out,
-        *query.stride(),
-        *key_cache.stride(),
-        *block_tables.stride(),
-        *out.stride(),
-        scale * _LOG2E,
-        max_len,
-        group,
-        head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_G=block_g,
-        BLOCK_N=_decode_tile_tokens(block_g, block_d),
-        BLOCK_D=block_d,
+        query, key_cache, value_cache, block_tables, context_lens, out,
+        *query.stride(), *key_cache.stride(), *block_tables.stride(), *out.stride(),
+        scale * _LOG2E, max_len, group, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_G=block_g,
+        BLOCK_N=_decode_tile_tokens(block_g, block_d), BLOCK_D=block_d,
     )
     return out
 
@@ -318,34 +227,14 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_ptr,
-    qstart_ptr,
-    ctx_ptr,
-    out_ptr,
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_cb,
-    stride_co,
-    stride_ch,
-    stride_cd,
-    stride_ts,
-    stride_tb,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    qk_scale,
-    group,
-    head_dim,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, qstart_ptr, ctx_ptr, out_ptr,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_co, stride_ch, stride_cd,
+    stride_ts, stride_tb,
+    stride_ot, stride_oh, stride_od,
+    qk_scale, group, head_dim,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """One program per (sequence, tile of BLOCK_M queries, query head); causal online softmax.
 
@@ -379,36 +268,10 @@ def _prefill_kernel(
     for start in range(0, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < ctx
-        k = _load_kv_tile(
-            k_cache_ptr,
-            table_row,
-            stride_tb,
-            n,
-            n_mask,
-            kv_head,
-            d,
-            d_mask,
-            stride_cb,
-            stride_co,
-            stride_ch,
-            stride_cd,
-            BLOCK_SIZE,
-        )
-        v = _load_kv_tile(
-            v_cache_ptr,
-            table_row,
-            stride_tb,
-            n,
-            n_mask,
-            kv_head,
-            d,
-            d_mask,
-            stride_cb,
-            stride_co,
-            stride_ch,
-            stride_cd,
-            BLOCK_SIZE,
-        )
+        k = _load_kv_tile(k_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
+        v = _load_kv_tile(v_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
+                          stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
         s = _dot(q, tl.trans(k.to(q.dtype)), DOT_PRECISION, DOT_UPCAST) * qk_scale
         visible = n_mask[None, :] & (n[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -455,25 +318,11 @@ def paged_attention_prefill(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     grid = (num_seqs, triton.cdiv(max_q_len, block_m), num_heads)
     _prefill_kernel[grid](
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        out,
-        *query.stride(),
-        *key_cache.stride(),
-        *block_tables.stride(),
-        *out.stride(),
-        scale * _LOG2E,
-        num_heads // num_kv_heads,
-        head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=_pow2(head_dim, floor=16),
-        DOT_PRECISION=precision,
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
+        *query.stride(), *key_cache.stride(), *block_tables.stride(), *out.stride(),
+        scale * _LOG2E, num_heads // num_kv_heads, head_dim,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_pow2(head_dim, floor=16), DOT_PRECISION=precision,
         DOT_UPCAST=query.dtype == torch.bfloat16 and not query.is_cuda,  # interpreter, see _dot
     )
     return out
