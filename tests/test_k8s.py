@@ -1,0 +1,491 @@
+"""k8s/: the rendered manifests are valid Kubernetes objects and agree with the processes they run.
+
+Every build (the base and each overlay) is rendered with tests/k8s_render.py (the subset of
+`kustomize build` that k8s/ uses; compared with a real kustomize when one is on PATH), then:
+
+- every object validates against the Kubernetes OpenAPI schemas in strict mode (no unknown
+  fields), offline, with the schemas the ``kubernetes-validate`` package ships;
+- each HorizontalPodAutoscaler scales the Deployment of its own pool, on metrics that exist;
+- each probe names a port the container declares, and the container's environment, parsed by
+  pdserve's own CLI, makes the process listen there; HTTP probe paths are routes of the router;
+- termination leaves time for the worker's drain; pods run as non-root with resource requests;
+  every Deployment has a PodDisruptionBudget; the GPU overlay puts the pools on different nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+from urllib.parse import urlparse
+
+import k8s_render
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import latest_version
+
+from pdserve import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+BUILDS = {
+    "base": K8S / "base",
+    "cpu": K8S / "overlays" / "cpu",
+    "gpu": K8S / "overlays" / "gpu",
+    "custom-metrics": K8S / "overlays" / "custom-metrics",
+}
+GPU_BUILDS = ("gpu", "custom-metrics")
+# Oldest Kubernetes the manifests promise (native gRPC probes are GA since 1.27; 1.30 is the
+# oldest release still maintained upstream) and the newest the schema package ships.
+K8S_VERSIONS = ("1.30", ".".join(latest_version().split(".")[:2]))
+NAMESPACE = "pdserve"
+POOLS = ("router", "prefill", "decode")
+WORKER_ROLES = ("prefill", "decode", "colocated")
+ROUTER_PROBE_PATHS = {"/health", "/ready"}
+POD_IP = "10.1.2.3"  # what the downward API's status.podIP stands for here
+# Pods metrics the custom-metrics HPAs use -> the worker gauge each is computed from.
+DERIVED_METRICS = {"pdserve_kv_blocks_used_ratio": "pdserve_kv_blocks"}
+Object = dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def builds() -> dict[str, list[Object]]:
+    return {name: k8s_render.build(path) for name, path in BUILDS.items()}
+
+
+def objects_of(objects: list[Object], kind: str) -> dict[str, Object]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def pod_spec(deployment: Object) -> Object:
+    spec: Object = deployment["spec"]["template"]["spec"]
+    return spec
+
+
+def pdserve_containers(objects: list[Object]) -> Iterator[tuple[Object, Object]]:
+    """(Deployment, container) for every container running a `pdserve` command."""
+    for deployment in objects_of(objects, "Deployment").values():
+        for container in pod_spec(deployment)["containers"]:
+            if container["image"].split(":")[0] == "pdserve":
+                yield deployment, container
+
+
+def all_containers(objects: list[Object]) -> Iterator[tuple[Object, Object]]:
+    for deployment in objects_of(objects, "Deployment").values():
+        for container in pod_spec(deployment)["containers"]:
+            yield deployment, container
+
+
+def quantity(value: str | int | float) -> float:
+    """A Kubernetes quantity as a number (the suffixes used here: m, Ki, Mi, Gi)."""
+    text = str(value)
+    for suffix, factor in (("Ki", 2**10), ("Mi", 2**20), ("Gi", 2**30), ("m", 1e-3)):
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+def container_port(container: Object, port: int | str) -> int:
+    """The containerPort a probe or Service names (by number or by name); fails if undeclared."""
+    for declared in container.get("ports", []):
+        if port in (declared["containerPort"], declared.get("name")):
+            return int(declared["containerPort"])
+    raise AssertionError(f"{container['name']}: port {port!r} is not a declared containerPort")
+
+
+def container_env(container: Object, pod: Object, objects: list[Object]) -> dict[str, str]:
+    """The environment the kubelet gives ``container`` (downward API values stood in for)."""
+    configmaps = objects_of(objects, "ConfigMap")
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(configmaps[source["configMapRef"]["name"]]["data"])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = var["value"]
+            continue
+        ref = var["valueFrom"]
+        if "fieldRef" in ref:
+            env[var["name"]] = {"status.podIP": POD_IP}[ref["fieldRef"]["fieldPath"]]
+        elif "resourceFieldRef" in ref:
+            resource = ref["resourceFieldRef"]["resource"]
+            section, name = resource.split(".")
+            amount = quantity(container["resources"][section][name])
+            env[var["name"]] = str(math.ceil(amount / quantity(ref["resourceFieldRef"]["divisor"])))
+        elif "secretKeyRef" in ref:
+            # The Secret is created by the operator, if at all: pods must start without it.
+            assert ref["secretKeyRef"].get("optional") is True, var
+        else:
+            raise AssertionError(f"unexpected env source {ref}")
+    return env
+
+
+def command_parser(command: str, env: dict[str, str]) -> argparse.ArgumentParser:
+    """The parser `pdserve <command>` builds, with ``env`` as the whole process environment."""
+    parser = argparse.ArgumentParser(prog=f"pdserve {command}")
+    with mock.patch.dict(os.environ, env, clear=True):
+        if command == "router":
+            cli.add_router_args(parser)
+        else:
+            assert command in WORKER_ROLES, command
+            cli.add_worker_args(parser)
+            cli.add_engine_args(parser)
+    return parser
+
+
+def parsed_command(container: Object, env: dict[str, str]) -> argparse.Namespace:
+    command, *args = container["args"]
+    return command_parser(command, env).parse_args(args)
+
+
+def flag_variables(command: str) -> set[str]:
+    """The PDSERVE_* variables `pdserve <command>` reads (one per flag, plus the cluster token)."""
+    parser = command_parser(command, {})
+    names = {"PDSERVE_" + action.dest.upper() for action in parser._actions}
+    return names | {"PDSERVE_CLUSTER_TOKEN"}  # read directly by the CLI, not a flag
+
+
+def pre_stop_seconds(container: Object) -> float:
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
+def test_builds_contain_every_component(builds: dict[str, list[Object]]) -> None:
+    for name, objects in builds.items():
+        kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+        assert len(kinds) == len(objects), f"{name}: duplicate objects"
+        assert set(objects_of(objects, "Deployment")) == {"router", "prefill", "decode", "redis"}
+        assert set(objects_of(objects, "Service")) == {"router", "redis"}
+        assert set(objects_of(objects, "HorizontalPodAutoscaler")) == set(POOLS)
+        assert set(objects_of(objects, "ConfigMap")) == {"pdserve-config"}
+        for obj in objects:
+            if obj["kind"] != "Namespace":
+                assert obj["metadata"]["namespace"] == NAMESPACE, (name, obj["metadata"])
+            assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "pdserve"
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("build_name", BUILDS)
+def test_every_object_validates_against_the_kubernetes_schema(
+    builds: dict[str, list[Object]], build_name: str, version: str
+) -> None:
+    errors = []
+    for obj in builds[build_name]:
+        try:
+            kubernetes_validate.validate(obj, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = "/".join(str(p) for p in exc.path)
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']} at {where}: {exc.message}")
+    assert not errors, "\n".join(errors)
+
+
+def test_hpas_scale_their_own_pools_deployment(builds: dict[str, list[Object]]) -> None:
+    for name, objects in builds.items():
+        deployments = objects_of(objects, "Deployment")
+        for pool, hpa in objects_of(objects, "HorizontalPodAutoscaler").items():
+            target = hpa["spec"]["scaleTargetRef"]
+            assert (target["apiVersion"], target["kind"]) == ("apps/v1", "Deployment")
+            deployment = deployments[target["name"]]  # exists in the same build
+            labels = deployment["spec"]["template"]["metadata"]["labels"]
+            assert labels["app.kubernetes.io/component"] == pool, (name, pool, target)
+            # An applied replica count would fight the autoscaler on every `kubectl apply`.
+            assert "replicas" not in deployment["spec"], (name, pool)
+            assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+            for metric in hpa["spec"]["metrics"]:
+                if metric["type"] == "Resource":
+                    resource = metric["resource"]["name"]
+                    for container in pod_spec(deployment)["containers"]:
+                        # Utilisation is usage over request: undefined without a request.
+                        assert resource in container["resources"]["requests"], (name, pool)
+
+
+def test_default_hpas_use_cpu_and_custom_ones_use_real_worker_metrics(
+    builds: dict[str, list[Object]],
+) -> None:
+    metrics_source = (ROOT / "services" / "worker" / "metrics.py").read_text()
+    readme = (K8S / "README.md").read_text()
+    for name, objects in builds.items():
+        for pool, hpa in objects_of(objects, "HorizontalPodAutoscaler").items():
+            types = {m["type"] for m in hpa["spec"]["metrics"]}
+            if name != "custom-metrics" or pool == "router":
+                assert hpa["spec"]["metrics"] == [
+                    {
+                        "type": "Resource",
+                        "resource": {
+                            "name": "cpu",
+                            "target": {"type": "Utilization", "averageUtilization": 70},
+                        },
+                    }
+                ], (name, pool)
+                continue
+            assert types == {"Pods"}, (name, pool)
+            for metric in hpa["spec"]["metrics"]:
+                metric_name = metric["pods"]["metric"]["name"]
+                source = DERIVED_METRICS.get(metric_name, metric_name)
+                assert f'"{source}"' in metrics_source, f"{metric_name}: no worker metric {source}"
+                assert metric_name in readme, f"{metric_name}: no prometheus-adapter rule"
+
+
+def test_probes_name_declared_ports_and_router_routes(builds: dict[str, list[Object]]) -> None:
+    app_source = (ROOT / "router" / "app.py").read_text()
+    for path in ROUTER_PROBE_PATHS | {"/metrics"}:
+        assert f'@app.get("{path}")' in app_source, f"router/app.py serves no {path}"
+    for name, objects in builds.items():
+        for _, container in all_containers(objects):
+            probes = {
+                kind: container.get(f"{kind}Probe") for kind in ("startup", "readiness", "liveness")
+            }
+            assert probes["readiness"] and probes["liveness"], (name, container["name"])
+            for probe in filter(None, probes.values()):
+                if "grpc" in probe:  # grpc.health.v1, served by every worker
+                    container_port(container, probe["grpc"]["port"])
+                    assert container["args"][0] in WORKER_ROLES, container["name"]
+                elif "httpGet" in probe:
+                    container_port(container, probe["httpGet"]["port"])
+                    assert container["args"][0] == "router", container["name"]
+                    assert probe["httpGet"]["path"] in ROUTER_PROBE_PATHS, probe
+                else:
+                    container_port(container, probe["tcpSocket"]["port"])
+            if container.get("args", [""])[0] == "router":
+                assert probes["liveness"]["httpGet"]["path"] == "/health"
+                assert probes["readiness"]["httpGet"]["path"] == "/ready"
+
+
+def test_processes_listen_where_probes_services_and_scrapers_look(
+    builds: dict[str, list[Object]],
+) -> None:
+    for name, objects in builds.items():
+        services = objects_of(objects, "Service")
+        deployments = objects_of(objects, "Deployment")
+        for deployment, container in pdserve_containers(objects):
+            pod = pod_spec(deployment)
+            env = container_env(container, pod, objects)
+            args = parsed_command(container, env)
+            annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+            assert annotations["prometheus.io/scrape"] == "true"
+            assert annotations["prometheus.io/path"] == "/metrics"
+            scraped = container_port(container, int(annotations["prometheus.io/port"]))
+            assert args.host == "0.0.0.0", (name, container["name"])  # reachable from peers
+            if container["args"][0] == "router":
+                config = cli.router_config_from_args(args)
+                assert config.port == container_port(container, "http") == scraped
+                for probe in ("startup", "readiness", "liveness"):
+                    probed = container[f"{probe}Probe"]["httpGet"]["port"]
+                    assert container_port(container, probed) == config.port
+                service = services["router"]["spec"]["ports"][0]
+                assert service["port"] == 80
+                assert container_port(container, service["targetPort"]) == config.port
+            else:
+                config = cli.worker_config_from_args(container["args"][0], args)
+                assert config.grpc_port == container_port(container, "grpc")
+                for probe in ("startup", "readiness", "liveness"):
+                    assert container[f"{probe}Probe"]["grpc"]["port"] == config.grpc_port
+                assert config.metrics_port == container_port(container, "metrics") == scraped
+                assert config.public_host == POD_IP  # registered address: the pod's own IP
+                # torch threads follow the CPU request (the default would see the whole node).
+                cpu = quantity(container["resources"]["requests"]["cpu"])
+                assert config.engine.num_threads == math.ceil(cpu)
+                # GPU pods run the engine on their GPU; the others on the CPU.
+                device = "cuda" if name in GPU_BUILDS else "cpu"
+                assert config.engine.device == device, (name, container["name"])
+            # The registry URL names the Redis Service, whose port reaches the Redis container.
+            redis_url = urlparse(config.redis_url)
+            assert redis_url.hostname == "redis"
+            redis_port = next(
+                p for p in services["redis"]["spec"]["ports"] if p["port"] == redis_url.port
+            )
+            redis_container = pod_spec(deployments["redis"])["containers"][0]
+            assert container_port(redis_container, redis_port["targetPort"]) == 6379
+
+
+def test_services_select_their_deployments_pods(builds: dict[str, list[Object]]) -> None:
+    for objects in builds.values():
+        deployments = objects_of(objects, "Deployment")
+        for name, service in objects_of(objects, "Service").items():
+            labels = deployments[name]["spec"]["template"]["metadata"]["labels"]
+            assert service["spec"]["selector"].items() <= labels.items(), name
+
+
+def test_pdserve_variables_are_flags_of_the_command_that_reads_them(
+    builds: dict[str, list[Object]],
+) -> None:
+    router_vars, worker_vars = flag_variables("router"), flag_variables("prefill")
+    for name, objects in builds.items():
+        for key in objects_of(objects, "ConfigMap")["pdserve-config"]["data"]:
+            assert key in router_vars | worker_vars, f"{name}: {key} is read by no command"
+        for _, container in pdserve_containers(objects):
+            known = flag_variables(container["args"][0])
+            for var in container.get("env", []):
+                if var["name"].startswith("PDSERVE_"):
+                    assert var["name"] in known, f"{name}/{container['name']}: {var['name']}"
+        for deployment in objects_of(objects, "Deployment").values():
+            # Service links would inject PDSERVE_<SERVICE>_PORT=tcp://... into the pods.
+            assert pod_spec(deployment)["enableServiceLinks"] is False
+
+
+def test_termination_grace_covers_prestop_and_drain(builds: dict[str, list[Object]]) -> None:
+    server_source = (ROOT / "router" / "server.py").read_text()
+    router_shutdown = re.search(r"timeout_graceful_shutdown=(\d+)", server_source)
+    assert router_shutdown is not None
+    for name, objects in builds.items():
+        for deployment, container in pdserve_containers(objects):
+            pod = pod_spec(deployment)
+            grace = pod["terminationGracePeriodSeconds"]
+            args = parsed_command(container, container_env(container, pod, objects))
+            if container["args"][0] == "router":
+                needed = pre_stop_seconds(container) + float(router_shutdown.group(1))
+            else:
+                # The kubelet counts the preStop hook against the grace period.
+                needed = pre_stop_seconds(container) + args.drain_seconds + 10
+            assert grace >= needed, (name, container["name"], grace, needed)
+
+
+def test_pods_run_as_non_root_with_requests(builds: dict[str, list[Object]]) -> None:
+    """What the namespace's "restricted" Pod Security Standard demands, and resource requests."""
+    for name, objects in builds.items():
+        namespace = objects_of(objects, "Namespace")[NAMESPACE]
+        assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+        for deployment, container in all_containers(objects):
+            pod = pod_spec(deployment)
+            where = (name, container["name"])
+            assert pod["securityContext"]["runAsNonRoot"] is True, where
+            assert pod["securityContext"]["runAsUser"] > 0, where
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, where
+            assert pod["automountServiceAccountToken"] is False, where
+            security = container["securityContext"]
+            assert security["allowPrivilegeEscalation"] is False, where
+            assert security["readOnlyRootFilesystem"] is True, where
+            assert security["capabilities"]["drop"] == ["ALL"], where
+            requests = container["resources"]["requests"]
+            limits = container["resources"]["limits"]
+            assert quantity(requests["cpu"]) > 0 and quantity(requests["memory"]) > 0, where
+            assert quantity(limits["memory"]) >= quantity(requests["memory"]), where
+            for resource, amount in {**requests, **limits}.items():
+                if "/" in resource:  # extended resources (GPUs): requests must equal limits
+                    assert requests.get(resource) == limits.get(resource) == amount, where
+        for _, container in pdserve_containers(objects):
+            mounts = {m["mountPath"] for m in container["volumeMounts"]}
+            assert {"/tmp", "/home/pdserve"} <= mounts, (name, container["name"])  # writable
+            tag = "cuda" if name in GPU_BUILDS else "latest"  # the Dockerfile's two builds
+            assert container["image"] == f"pdserve:{tag}", (name, container["name"])
+
+
+def test_every_deployment_has_a_disruption_budget(builds: dict[str, list[Object]]) -> None:
+    for name, objects in builds.items():
+        budgets = objects_of(objects, "PodDisruptionBudget").values()
+        for deployment_name, deployment in objects_of(objects, "Deployment").items():
+            labels = deployment["spec"]["template"]["metadata"]["labels"]
+            matching = [
+                b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            ]
+            assert len(matching) == 1, (name, deployment_name)
+            # maxUnavailable lets node drains evict a single-replica pool (minAvailable would not).
+            assert matching[0]["spec"]["maxUnavailable"] == 1, (name, deployment_name)
+
+
+def test_gpu_overlay_puts_each_pool_on_its_own_node_class(
+    builds: dict[str, list[Object]],
+) -> None:
+    for name, objects in builds.items():
+        deployments = objects_of(objects, "Deployment")
+        gpus = {
+            deployment_name: sum(
+                int(c["resources"]["limits"].get("nvidia.com/gpu", 0))
+                for c in pod_spec(deployment)["containers"]
+            )
+            for deployment_name, deployment in deployments.items()
+        }
+        selectors = {n: pod_spec(d).get("nodeSelector") for n, d in deployments.items()}
+        if name not in GPU_BUILDS:
+            assert set(gpus.values()) == {0} and set(selectors.values()) == {None}, name
+            continue
+        assert gpus == {"prefill": 1, "decode": 1, "router": 0, "redis": 0}, name
+        assert selectors["prefill"] and selectors["decode"], name
+        assert selectors["prefill"] != selectors["decode"], name
+        assert selectors["router"] is None and selectors["redis"] is None, name
+        for pool in ("prefill", "decode"):
+            tolerations = pod_spec(deployments[pool])["tolerations"]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
+                tolerations
+            )
+
+
+def kustomize_binary() -> str | None:
+    return os.environ.get("KUSTOMIZE") or shutil.which("kustomize")
+
+
+def normalized(objects: list[Object]) -> dict[tuple[str, str], Object]:
+    """Objects by kind and name, merge-keyed lists sorted (kustomize versions order them
+    differently; the order of these lists carries no meaning in k8s/)."""
+
+    def walk(value: Any, field: str = "") -> Any:
+        if isinstance(value, dict):
+            return {k: walk(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            items = [walk(v) for v in value]
+            key = k8s_render.MERGE_KEYS.get(field)
+            if key and all(isinstance(i, dict) and key in i for i in items):
+                items.sort(key=lambda i: str(i[key]))
+            return items
+        return value
+
+    return {(o["kind"], o["metadata"]["name"]): walk(o) for o in objects}
+
+
+@pytest.mark.skipif(kustomize_binary() is None, reason="no kustomize binary (KUSTOMIZE or PATH)")
+@pytest.mark.parametrize("build_name", BUILDS)
+def test_renderer_matches_kustomize(builds: dict[str, list[Object]], build_name: str) -> None:
+    binary = kustomize_binary()
+    assert binary is not None
+    output = subprocess.run(
+        [binary, "build", str(BUILDS[build_name])],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    expected = [doc for doc in yaml.safe_load_all(output) if doc is not None]
+    assert normalized(builds[build_name]) == normalized(expected)
+
+
+def test_renderer_refuses_what_it_does_not_render(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("commonLabels: {a: b}\nresources: []\n")
+    with pytest.raises(k8s_render.UnsupportedFeature, match="commonLabels"):
+        k8s_render.build(tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(
+        "resources: []\npatches: [{path: p.yaml, target: {kind: ConfigMap}}]\n"
+    )
+    with pytest.raises(k8s_render.UnsupportedFeature, match="target"):
+        k8s_render.build(tmp_path)
+
+
+def test_renderer_merges_lists_by_key_and_replaces_the_others() -> None:
+    base = {
+        "containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p", "q"]}],
+        "tolerations": [{"key": "t1"}],
+        "nodeSelector": {"keep": "1", "drop": "2"},
+    }
+    patch = {
+        "containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["r"]}],
+        "tolerations": [{"key": "t2"}],
+        "nodeSelector": {"drop": None, "new": "3"},
+    }
+    assert k8s_render.strategic_merge(base, patch) == {
+        "containers": [
+            {
+                "name": "a",
+                "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}],
+                "args": ["r"],
+            }
+        ],
+        "tolerations": [{"key": "t2"}],
+        "nodeSelector": {"keep": "1", "new": "3"},
+    }
