@@ -282,6 +282,11 @@ class LLMEngine:
     def num_pinned_requests(self) -> int:
         return len(self._pinned)
 
+    @property
+    def num_pulling_requests(self) -> int:
+        """Decode side: requests waiting for room to pull their KV, or pulling it."""
+        return len(self._pulling)
+
     # ----- disaggregation: decode side ----------------------------------------------------
     def add_prefilled_request(
         self,

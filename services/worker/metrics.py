@@ -65,9 +65,11 @@ class WorkerMetrics:
         Gauge("pdserve_num_running", "Sequences in the running batch", registry=r).set_function(
             lambda: len(sched.running)
         )
-        Gauge("pdserve_num_waiting", "Sequences waiting or swapped out", registry=r).set_function(
-            lambda: sched.num_waiting
-        )
+        Gauge(
+            "pdserve_num_waiting",
+            "Sequences not running yet: queued, swapped out, or (decode) waiting for their KV",
+            registry=r,
+        ).set_function(lambda: sched.num_waiting + engine.num_pulling_requests)
         Gauge(
             "pdserve_prefix_cache_hit_rate",
             "Prompt tokens served from the prefix cache",

@@ -43,11 +43,13 @@ def handoff(p_engine, d_engine, request_id, prompt, params, pull=True):  # type:
     assert d_engine.add_prefilled_request(request_id, ids, first, params) is None
     plan = d_engine.reserve_pull(request_id)
     assert plan is not None
+    assert d_engine.num_pulling_requests == 1  # counted as waiting until it joins the batch
     if pull:
         source = torch.tensor([p_out.kv_block_ids[i] for i in plan.block_indices], dtype=torch.long)
         d_engine.commit_pull(plan, p_engine.runner.kv_cache[source].clone())
     else:
         d_engine.recompute_pull(request_id)
+    assert d_engine.num_pulling_requests == 0
     assert p_engine.release_pinned(request_id)
     assert not p_engine.release_pinned(request_id)
     return first, run_until_done(d_engine, request_id), plan
