@@ -1,0 +1,481 @@
+"""Goodput of three ways to spend the same 2 cores: disaggregated, two colocated, one colocated.
+
+The same workload (the loadtest's presets, Poisson arrivals at each rate of a sweep, streamed
+completions with ``ignore_eos`` so output lengths are exact) is sent through the real router
+(``pdserve router``, a real Redis registry) to each of:
+
+- ``disagg``: 1 prefill + 1 decode worker, pinned to core 0 and core 1, ``--threads 1`` each,
+  KV moved over loopback tcp;
+- ``2xcoloc``: two colocated workers, one per core, ``--threads 1`` each;
+- ``1xcoloc``: one colocated worker on both cores, ``--threads 2`` (chunked prefill, the
+  default, mixes prefill chunks into decode steps).
+
+The router, Redis and this client are not pinned: they share the two cores with the workers,
+alike for every configuration. Workers start once per configuration and serve every preset and
+rate. Preset input/output lengths are scaled by ``--input-scale``/``--output-scale`` (the
+presets' ISL 2000-4000 would take seconds of prefill each on this CPU).
+
+Before the sweep, each configuration serves ``--baseline-prompts`` requests one at a time: its
+unloaded TTFT and TPOT. SLOs (unless given): TTFT 5x and TPOT 3x the best configuration's
+unloaded mean. Measured per configuration, preset and rate: goodput (req/s completed within
+both SLOs), SLO attainment (good / sent), TTFT/TPOT/ITL p50/p99, output tokens/s.
+
+    python benchmarks/goodput.py [--quick] [--presets chatbot mixed] [--rates 0.5,1,2]
+        [--num-prompts 30] [--configs disagg 2xcoloc 1xcoloc]
+
+Prints the command, the machine, the SLOs and a table per preset; writes goodput.json and
+goodput.png (goodput, TTFT p99 and TPOT p99 vs rate) to --out-dir (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import machine_info  # noqa: E402  (benchmarks/machine.py)
+
+from loadtest.arrivals import Schedule  # noqa: E402
+from loadtest.client import ClientConfig, RunOutput, run  # noqa: E402
+from loadtest.datasets import MIXED, PRESETS, Sample, random_samples  # noqa: E402
+from loadtest.metrics import Metrics, compute  # noqa: E402
+from services.worker.launcher import WorkerProcess, _die_with_parent  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+# name -> workers as (role, cores, torch threads)
+CONFIGS: dict[str, list[tuple[str, set[int], int]]] = {
+    "disagg": [("prefill", {0}, 1), ("decode", {1}, 1)],
+    "2xcoloc": [("colocated", {0}, 1), ("colocated", {1}, 1)],
+    "1xcoloc": [("colocated", {0, 1}, 2)],
+}
+DEFAULT_RATES = {
+    "chatbot": [1.0, 2.0, 3.0, 4.0],
+    "mixed": [0.25, 0.5, 0.75],
+    "summarization": [0.25, 0.5],
+}
+# Prefix caching off: every rate resends the same prompts, which would otherwise skip prefill.
+WORKER_FLAGS = ["--heartbeat-seconds", "0.5", "--ttl-seconds", "2", "--kv-transport", "tcp"]
+WORKER_FLAGS += ["--no-prefix-caching"]
+TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
+
+# -- the workload -------------------------------------------------------------------------------
+
+
+def scaled(lo: int, hi: int, scale: float) -> tuple[int, int]:
+    return max(1, round(lo * scale)), max(1, round(hi * scale))
+
+
+def preset_workload(
+    name: str, n: int, input_scale: float, output_scale: float, seed: int, even: bool = False
+) -> list[Sample]:
+    """``n`` requests of a preset (or ``mixed``) with its lengths scaled, reproducibly; with
+    ``even``, ``mixed`` takes its kinds in turn (a baseline that holds each of them)."""
+    rng = np.random.default_rng(seed)
+    kinds = [name] * n
+    if name == "mixed":
+        picks = range(n) if even else rng.choice(len(MIXED), size=n)
+        kinds = [MIXED[k % len(MIXED)] for k in picks]
+    out = []
+    for kind in kinds:
+        (ilo, ihi), (olo, ohi) = PRESETS[kind]
+        ilo, ihi = scaled(ilo, ihi, input_scale)
+        olo, ohi = scaled(olo, ohi, output_scale)
+        ins = rng.integers(ilo, ihi + 1, size=1)
+        outs = rng.integers(max(olo, 2), max(ohi, 2) + 1, size=1)
+        out += random_samples(1, ins, outs, rng, kind=kind)
+    return out
+
+
+# -- the processes ------------------------------------------------------------------------------
+
+
+class PinnedWorker(WorkerProcess):
+    """``pdserve <role>`` whose process (and so every thread it starts) runs on ``cores``."""
+
+    def __init__(self, role: str, args: list[str], cores: set[int]):
+        super().__init__(role, args, env={"PYTHONPATH": str(ROOT)})
+        self.cores = cores
+
+    def spawn(self) -> None:
+        cores = self.cores
+
+        def preexec() -> None:
+            _die_with_parent()
+            os.sched_setaffinity(0, cores)
+
+        self.info = {}
+        self._ready.clear()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.cli", self.role, *self.args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            preexec_fn=preexec,
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+
+
+@dataclass
+class Deployment:
+    """One configuration's workers and router, registered under their own Redis prefix."""
+
+    name: str
+    url: str = ""
+    processes: list[WorkerProcess] = field(default_factory=list)
+
+
+def wait_workers(url: str, count: int, timeout: float = 60.0) -> None:
+    """Until the router is ready and sees ``count`` healthy workers."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/ready", timeout=5).status_code == 200:
+                data = httpx.get(url + "/v1/workers", timeout=5).json()["data"]
+                if sum(1 for w in data if w["healthy"]) == count:
+                    return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"router at {url} did not see {count} healthy workers")
+
+
+@contextmanager
+def deployed(name: str, redis_url: str) -> Iterator[Deployment]:
+    """Start the workers of configuration ``name`` and a router; stop them all afterwards."""
+    prefix = f"goodput{uuid.uuid4().hex[:6]}:"
+    registry = ["--redis-url", redis_url, "--redis-prefix", prefix]
+    deployment = Deployment(name)
+    try:
+        workers = [
+            PinnedWorker(role, [*WORKER_FLAGS, "--threads", str(threads), *registry], cores)
+            for role, cores, threads in CONFIGS[name]
+        ]
+        for w in workers:
+            w.spawn()
+            deployment.processes.append(w)
+        for w in workers:
+            w.wait_ready()
+        router = WorkerProcess(
+            "router", ["--port", "0", "--ttl-seconds", "2", *registry], {"PYTHONPATH": str(ROOT)}
+        )
+        deployment.processes.append(router)
+        router.start()
+        deployment.url = str(router.info["url"])
+        wait_workers(deployment.url, len(workers))
+        yield deployment
+    except BaseException:
+        for p in deployment.processes:
+            print(f"--- {p.role} ---\n{p.output_tail()}", file=sys.stderr)
+        raise
+    finally:
+        for p in reversed(deployment.processes):
+            p.terminate(timeout=15)
+
+
+# -- the runs -----------------------------------------------------------------------------------
+
+
+def client_config(url: str, max_concurrency: int | None = None) -> ClientConfig:
+    return ClientConfig(
+        base_url=url,
+        model=MODEL,
+        ignore_eos=True,
+        max_concurrency=max_concurrency,
+        request_timeout=300.0,
+        disable_tqdm=True,
+    )
+
+
+def baseline(url: str, samples: list[Sample]) -> RunOutput:
+    """``samples`` one at a time (after one untimed request): the unloaded latencies."""
+    cfg = client_config(url, max_concurrency=1)
+    cfg.num_warmups = 1
+    return asyncio.run(run(cfg, samples, Schedule(rate=math.inf), len(samples)))
+
+
+def at_rate(url: str, samples: list[Sample], rate: float, seed: int) -> RunOutput:
+    """``samples`` sent with Poisson arrivals at ``rate`` req/s (same seed: same gaps)."""
+    return asyncio.run(
+        run(client_config(url), samples, Schedule(rate=rate), len(samples), seed=seed)
+    )
+
+
+@dataclass
+class Plan:
+    """What to run: configurations, presets with their rates, the samples of each preset."""
+
+    configs: list[str]
+    rates: dict[str, list[float]]
+    samples: dict[str, list[Sample]]
+    base_samples: dict[str, list[Sample]]
+    seed: int
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.configs) * sum(len(r) + 1 for r in self.rates.values())
+
+
+def save_partial(out: dict[str, Any], path: Path = Path("/tmp/goodput_partial.pickle")) -> None:
+    """The raw runs so far (a crash late in a long run loses nothing measured)."""
+    import pickle
+
+    path.write_bytes(pickle.dumps(out))
+
+
+def measure(plan: Plan) -> dict[str, dict[str, dict[str, RunOutput]]]:
+    """out[config][preset]["base" or rate] = the run's output, every configuration in turn."""
+    from services.redis_server import RedisServer
+
+    out: dict[str, dict[str, dict[str, RunOutput]]] = {}
+    bar = tqdm(total=plan.num_runs, unit="run", dynamic_ncols=True, file=sys.stderr)
+    with RedisServer() as redis:
+        for name in plan.configs:
+            bar.set_description(f"{name}: starting")
+            with deployed(name, redis.url) as d:
+                out[name] = {}
+                for preset, rates in plan.rates.items():
+                    bar.set_description(f"{name} {preset} baseline")
+                    runs = {"base": baseline(d.url, plan.base_samples[preset])}
+                    bar.update(1)
+                    for rate in rates:
+                        bar.set_description(f"{name} {preset} {rate:g} req/s")
+                        runs[f"{rate:g}"] = at_rate(d.url, plan.samples[preset], rate, plan.seed)
+                        bar.update(1)
+                    out[name][preset] = runs
+            save_partial(out)
+    bar.close()
+    return out
+
+
+# -- the results --------------------------------------------------------------------------------
+
+
+def slos_for(runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace) -> dict[str, float]:
+    """TTFT/TPOT limits in ms: given, or a multiple of the best configuration's unloaded mean."""
+    unloaded = {name: compute(by_key["base"]).stats for name, by_key in runs.items()}
+    ttft = min(s["mean_ttft_ms"] for s in unloaded.values()) * TTFT_FACTOR
+    tpot = min(s["mean_tpot_ms"] for s in unloaded.values()) * TPOT_FACTOR
+    return {"ttft": args.slo_ttft_ms or round(ttft, 1), "tpot": args.slo_tpot_ms or round(tpot, 1)}
+
+
+def row_of(m: Metrics) -> dict[str, float]:
+    s = m.stats
+    return {
+        "goodput": m.request_goodput or 0.0,
+        "attainment": m.slo_attainment or 0.0,
+        "req_per_s": m.request_throughput,
+        "out_tok_per_s": m.output_throughput,
+        "failed": m.failed,
+        **{
+            f"{q}_{k}_ms": s[f"{'median' if q == 'p50' else q}_{k}_ms"]
+            for k in ("ttft", "tpot", "itl")
+            for q in ("p50", "p99")
+        },
+    }
+
+
+def summarize(
+    out: dict[str, dict[str, dict[str, RunOutput]]], plan: Plan, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Per preset: the SLOs, each configuration's unloaded latencies and a row per rate."""
+    summary: dict[str, Any] = {}
+    for preset, rates in plan.rates.items():
+        runs = {name: out[name][preset] for name in out}
+        slos = slos_for(runs, args)
+        unloaded = {
+            name: {k: r[k] for k in ("p50_ttft_ms", "p50_tpot_ms")}
+            for name, r in ((n, row_of(compute(by["base"]))) for n, by in runs.items())
+        }
+        table = {
+            name: {
+                f"{rate:g}": row_of(compute(by[f"{rate:g}"], slos, (50.0, 99.0))) for rate in rates
+            }
+            for name, by in runs.items()
+        }
+        summary[preset] = {"slos_ms": slos, "unloaded": unloaded, "rows": table}
+    return summary
+
+
+def print_preset(preset: str, result: dict[str, Any]) -> None:
+    slos = result["slos_ms"]
+    print(f"\n{preset}: SLOs TTFT <= {slos['ttft']:.0f} ms, TPOT <= {slos['tpot']:.1f} ms")
+    for name, u in result["unloaded"].items():
+        print(
+            f"  unloaded {name:<8} TTFT p50 {u['p50_ttft_ms']:7.1f} ms"
+            f"  TPOT p50 {u['p50_tpot_ms']:6.1f} ms"
+        )
+    head = f"{'config':<9}{'rate':>6}{'goodput':>9}{'attain':>8}{'TTFT p50':>10}{'p99':>9}"
+    print(head + f"{'TPOT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}{'tok/s':>8}{'fail':>5}")
+    for name, rows in result["rows"].items():
+        for rate, r in rows.items():
+            print(
+                f"{name:<9}{rate:>6}{r['goodput']:>9.3f}{r['attainment']:>8.2f}"
+                f"{r['p50_ttft_ms']:>10.0f}{r['p99_ttft_ms']:>9.0f}{r['p50_tpot_ms']:>10.1f}"
+                f"{r['p99_tpot_ms']:>8.1f}{r['p50_itl_ms']:>9.1f}{r['p99_itl_ms']:>8.1f}"
+                f"{r['out_tok_per_s']:>8.1f}{r['failed']:>5}"
+            )
+    print("best per rate (goodput, then attainment):")
+    rates = next(iter(result["rows"].values())).keys()
+    for rate in rates:
+        ranked = sorted(
+            result["rows"],
+            key=lambda n: (
+                -result["rows"][n][rate]["goodput"],
+                -result["rows"][n][rate]["attainment"],
+            ),
+        )
+        cells = ", ".join(f"{n} {result['rows'][n][rate]['goodput']:.3f}" for n in ranked)
+        print(f"  {rate:>5} req/s: {ranked[0]}  ({cells})")
+
+
+def save_plot(path: Path, summary: dict[str, Any], title: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("goodput", "goodput, req/s"),
+        ("p99_ttft_ms", "TTFT p99, ms"),
+        ("p99_tpot_ms", "TPOT p99, ms"),
+    ]
+    fig, axes = plt.subplots(len(summary), 3, figsize=(13, 3.6 * len(summary)), squeeze=False)
+    for row, (preset, result) in enumerate(summary.items()):
+        for col, (key, label) in enumerate(panels):
+            ax = axes[row][col]
+            for name, rows in result["rows"].items():
+                xs = [float(r) for r in rows]
+                ax.plot(xs, [rows[r][key] for r in rows], marker="o", label=name)
+            if key != "goodput":
+                limit = result["slos_ms"]["ttft" if "ttft" in key else "tpot"]
+                ax.axhline(limit, color="grey", linestyle="--", linewidth=1, label="SLO")
+                ax.set_yscale("log")
+            ax.set_xlabel("request rate, req/s")
+            ax.set_ylabel(label)
+            ax.set_title(preset, fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument(
+        "--presets", nargs="+", default=["chatbot", "mixed"], choices=list(DEFAULT_RATES)
+    )
+    p.add_argument("--rates", help="comma-separated req/s for every preset (default: per preset)")
+    p.add_argument("--num-prompts", type=int, default=30, help="requests per rate")
+    p.add_argument("--baseline-prompts", type=int, default=6, help="unloaded requests per preset")
+    p.add_argument("--input-scale", type=float, default=0.25, help="x the presets' input lengths")
+    p.add_argument("--output-scale", type=float, default=0.1, help="x the presets' output lengths")
+    p.add_argument("--slo-ttft-ms", type=float, help=f"default {TTFT_FACTOR:g}x unloaded TTFT")
+    p.add_argument("--slo-tpot-ms", type=float, help=f"default {TPOT_FACTOR:g}x unloaded TPOT")
+    p.add_argument("--quick", action="store_true", help="~5 min: 10 prompts, 2 rates, 3 baseline")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.baseline_prompts = 10, 3
+    return args
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    rates = {}
+    for preset in args.presets:
+        given = [float(r) for r in args.rates.split(",")] if args.rates else None
+        rates[preset] = given or DEFAULT_RATES[preset]
+        if args.quick and not given:
+            rates[preset] = [rates[preset][0], rates[preset][-1]]
+
+    def workload(preset: str, n: int, seed: int, even: bool = False) -> list[Sample]:
+        return preset_workload(preset, n, args.input_scale, args.output_scale, seed, even)
+
+    return Plan(
+        configs=args.configs,
+        rates=rates,
+        samples={p: workload(p, args.num_prompts, args.seed) for p in args.presets},
+        base_samples={
+            p: workload(p, args.baseline_prompts, args.seed + 1, even=True) for p in args.presets
+        },
+        seed=args.seed,
+    )
+
+
+def describe_workload(plan: Plan, args: argparse.Namespace) -> str:
+    lines = [f"workload (lengths x{args.input_scale:g} in, x{args.output_scale:g} out):"]
+    for preset, samples in plan.samples.items():
+        ins = [s.prompt_len for s in samples]
+        outs = [s.max_tokens for s in samples]
+        lines.append(
+            f"  {preset}: {len(samples)} requests per rate, input {min(ins)}-{max(ins)} "
+            f"(mean {np.mean(ins):.0f}), output {min(outs)}-{max(outs)} (mean {np.mean(outs):.0f}) "
+            f"tokens; rates {plan.rates[preset]} req/s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_info(1)
+    command = "python " + shlex.join(sys.argv)
+    print(f"$ {command}")
+    print(
+        f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} usable, "
+        f"load avg {machine['load_avg_1m_at_start']}), python {machine['python']}"
+    )
+    plan = make_plan(args)
+    print(describe_workload(plan, args))
+    started = time.monotonic()
+    out = measure(plan)
+    elapsed = time.monotonic() - started
+    summary = summarize(out, plan, args)
+    for preset, result in summary.items():
+        print_preset(preset, result)
+    print(f"\nmeasured in {elapsed / 60:.1f} min")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    data = {"command": command, "machine": machine, "config": config, "elapsed_s": elapsed}
+    path = args.out_dir / "goodput.json"
+    path.write_text(json.dumps({**data, "presets": summary}, indent=2) + "\n")
+    plot = args.out_dir / "goodput.png"
+    title = f"goodput on {machine['cores']} cores: disagg vs 2 colocated vs 1 colocated (2 threads)"
+    saved = [path] + ([plot] if save_plot(plot, summary, title) else [])
+    print("saved " + " and ".join(str(p) for p in saved))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
