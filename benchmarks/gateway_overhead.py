@@ -49,9 +49,7 @@ import os
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -72,7 +70,7 @@ from machine import machine_info  # noqa: E402  (benchmarks/machine.py)
 
 from protos import pdserve_pb2 as pb  # noqa: E402
 from protos import pdserve_pb2_grpc as pb_grpc  # noqa: E402
-from services.worker.launcher import WorkerProcess, _die_with_parent  # noqa: E402
+from services.worker.launcher import WorkerProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 # Three sentences, ~40 tokens: two full 16-token blocks, so the prefix-aware policy does its
@@ -380,21 +378,8 @@ class ProfiledRouter(WorkerProcess):
     the stats get written (uvicorn re-raises SIGTERM after shutdown, killing it before that)."""
 
     def __init__(self, args: list[str], env: dict[str, str], path: Path):
-        super().__init__("router", args, env)
+        super().__init__("router", args, env, python_args=["-c", PROFILED_ROUTER, str(path)])
         self.path = path
-
-    def spawn(self) -> None:
-        command = ["-c", PROFILED_ROUTER, str(self.path), "router", *self.args]
-        self.proc = subprocess.Popen(
-            [sys.executable, *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            preexec_fn=_die_with_parent,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
 
     def start_profiling(self) -> None:
         self.signal(signal.SIGUSR1)

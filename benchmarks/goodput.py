@@ -33,11 +33,8 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import shlex
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -60,7 +57,7 @@ from loadtest.arrivals import Schedule  # noqa: E402
 from loadtest.client import ClientConfig, RunOutput, run  # noqa: E402
 from loadtest.datasets import MIXED, PRESETS, Sample, random_samples  # noqa: E402
 from loadtest.metrics import Metrics, compute  # noqa: E402
-from services.worker.launcher import WorkerProcess, _die_with_parent  # noqa: E402
+from services.worker.launcher import WorkerProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 # name -> workers as (role, cores, torch threads)
@@ -110,32 +107,9 @@ def preset_workload(
 # -- the processes ------------------------------------------------------------------------------
 
 
-class PinnedWorker(WorkerProcess):
+def pinned_worker(role: str, args: list[str], cores: set[int]) -> WorkerProcess:
     """``pdserve <role>`` whose process (and so every thread it starts) runs on ``cores``."""
-
-    def __init__(self, role: str, args: list[str], cores: set[int]):
-        super().__init__(role, args, env={"PYTHONPATH": str(ROOT)})
-        self.cores = cores
-
-    def spawn(self) -> None:
-        cores = self.cores
-
-        def preexec() -> None:
-            _die_with_parent()
-            os.sched_setaffinity(0, cores)
-
-        self.info = {}
-        self._ready.clear()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", self.role, *self.args],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=self.env,
-            preexec_fn=preexec,
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
+    return WorkerProcess(role, args, env={"PYTHONPATH": str(ROOT)}, cpus=cores)
 
 
 @dataclass
@@ -170,7 +144,7 @@ def deployed(name: str, redis_url: str) -> Iterator[Deployment]:
     deployment = Deployment(name)
     try:
         workers = [
-            PinnedWorker(role, [*WORKER_FLAGS, "--threads", str(threads), *registry], cores)
+            pinned_worker(role, [*WORKER_FLAGS, "--threads", str(threads), *registry], cores)
             for role, cores, threads in CONFIGS[name]
         ]
         for w in workers:

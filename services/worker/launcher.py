@@ -38,9 +38,13 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         echo_prefix: str | None = None,
         new_session: bool = False,
+        cpus: set[int] | None = None,
+        python_args: list[str] | None = None,
     ):
         self.role = role
         self.new_session = new_session  # a terminal's Ctrl-C then reaches only the launcher
+        self.cpus = cpus  # CPU affinity of the child (and so of every thread it starts)
+        self.python_args = python_args or ["-m", "pdserve.cli"]  # what runs `<role> <args>`
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.echo_prefix = echo_prefix
@@ -64,16 +68,21 @@ class WorkerProcess:
         self.info = {}
         self._ready.clear()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.cli", self.role, *self.args],
+            [sys.executable, *self.python_args, self.role, *self.args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=self.env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=self._preexec,
             start_new_session=self.new_session,
         )
         threading.Thread(target=self._pump, daemon=True).start()
+
+    def _preexec(self) -> None:  # in the child, between fork and exec
+        _die_with_parent()
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)
 
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         assert self.proc is not None, "spawn() first"
