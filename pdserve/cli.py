@@ -171,6 +171,12 @@ def add_worker_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-pending-requests", type=int, default=_env("max_pending_requests", 256))
     g.add_argument("--drain-seconds", type=float, default=_env("drain_seconds", 30.0))
+    g.add_argument(
+        "--kv-faults",
+        default=_env("kv_faults", None),
+        help="testing only: fail served KV pulls on purpose, e.g. 'drop=0.1,corrupt=0.1'",
+    )
+    add_observability_args(parser)
 
 
 def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig:
@@ -194,6 +200,31 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         verify_checksums=not args.no_verify_checksums,
         max_pending_requests=args.max_pending_requests,
         drain_seconds=args.drain_seconds,
+        trace_file=args.trace_file,
+        otlp_endpoint=args.otlp_endpoint or None,
+        kv_faults=args.kv_faults or None,
+        log_requests=args.log_requests,
+    )
+
+
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    """Tracing and request logging flags (router and workers)."""
+    g = parser.add_argument_group("observability")
+    g.add_argument(
+        "--trace-file",
+        default=_env("trace_file", None),
+        help="append finished OpenTelemetry spans to this file as JSON lines",
+    )
+    g.add_argument(
+        "--otlp-endpoint",
+        default=_env("otlp_endpoint", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
+        help="export spans with OTLP/gRPC here (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
+    )
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=_env("log_requests", False),
+        help="log prompts and outputs (off by default: they may be private)",
     )
 
 
@@ -235,6 +266,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "--request-timeout-seconds", type=float, default=_env("request_timeout_seconds", 600.0)
     )
     g.add_argument("--ttl-seconds", type=float, default=_env("ttl_seconds", 5.0))
+    add_observability_args(parser)
 
 
 def router_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -260,6 +292,9 @@ def router_config_from_args(args: argparse.Namespace):  # type: ignore[no-untype
         max_attempts=args.max_attempts,
         request_timeout_seconds=args.request_timeout_seconds,
         ttl_seconds=args.ttl_seconds,
+        trace_file=args.trace_file,
+        otlp_endpoint=args.otlp_endpoint or None,
+        log_requests=args.log_requests,
     )
 
 

@@ -31,6 +31,9 @@ class RouterConfig:
     refresh_seconds: float = 0.5  # registry view refresh period
     ttl_seconds: float = 5.0  # the workers' registry TTL (how long a view survives Redis loss)
     retry_after_seconds: int = 1
+    trace_file: str | None = None  # append finished spans here as JSON lines
+    otlp_endpoint: str | None = None  # export spans with OTLP/gRPC to this collector
+    log_requests: bool = False  # log prompts and outputs (off: they may be private)
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode", "colocated"):

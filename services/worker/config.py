@@ -59,6 +59,10 @@ class WorkerConfig:
     verify_checksums: bool = True
     max_pending_requests: int = 256  # requests admitted but not finished; more get UNAVAILABLE
     drain_seconds: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    trace_file: str | None = None  # append finished spans here as JSON lines
+    otlp_endpoint: str | None = None  # export spans with OTLP/gRPC to this collector
+    kv_faults: str | None = None  # fault injection on served KV pulls, "drop=0.1,corrupt=0.1"
+    log_requests: bool = False  # log prompts and outputs (off: they may be private)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
