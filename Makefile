@@ -7,7 +7,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean protos
+.PHONY: setup up test lint bench clean protos chaos
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,11 @@ bench: setup
 	$(PY) benchmarks/kv_waste.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/step_breakdown.py
+
+# The 5-minute chaos soak (docs/reliability.md): faults under load; exits non-zero on a hung or
+# wrong request, a leaked KV block or an orphaned process. tests/test_chaos.py runs a short one.
+chaos: setup
+	$(PY) benchmarks/chaos.py --json-out benchmarks/results/chaos.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -144,9 +144,6 @@ class FakeDecode(pb_grpc.DecodeServiceServicer):
                 kv_source="pulled" if i == 0 else "",
             )
 
-    async def Abort(self, request: pb.AbortRequest, context: Any) -> pb.AbortResponse:
-        return pb.AbortResponse(aborted=True)
-
 
 async def start_grpc(add: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server(options=GRPC_OPTIONS)

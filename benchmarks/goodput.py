@@ -7,8 +7,8 @@ completions with ``ignore_eos`` so output lengths are exact) is sent through the
 - ``disagg``: 1 prefill + 1 decode worker, pinned to core 0 and core 1, ``--threads 1`` each,
   KV moved over loopback tcp;
 - ``2xcoloc``: two colocated workers, one per core, ``--threads 1`` each;
-- ``1xcoloc``: one colocated worker on both cores, ``--threads 2`` (chunked prefill, the
-  default, mixes prefill chunks into decode steps).
+- ``1xcoloc``: one colocated worker on both cores, ``--threads 2``, chunked prefill with a
+  256-token step budget (prefill chunks ride along with the decode steps).
 
 The router, Redis and this client are not pinned: they share the two cores with the workers,
 alike for every configuration. Workers start once per configuration and serve every preset and
@@ -18,13 +18,17 @@ presets' ISL 2000-4000 would take seconds of prefill each on this CPU).
 Before the sweep, each configuration serves ``--baseline-prompts`` requests one at a time: its
 unloaded TTFT and TPOT. SLOs (unless given): TTFT 5x and TPOT 3x the best configuration's
 unloaded mean. Measured per configuration, preset and rate: goodput (req/s completed within
-both SLOs), SLO attainment (good / sent), TTFT/TPOT/ITL p50/p99, output tokens/s.
+both SLOs), SLO attainment (good / sent), TTFT/TPOT/ITL p50/p99, output tokens/s; per
+configuration and preset, the max rate under SLO (attainment >= 0.9, interpolated between the
+swept rates). Then, per configuration, the interference experiment of
+``benchmarks/interference.py``: ITL of running streams while 1024-token prompts arrive.
 
     python benchmarks/goodput.py [--quick] [--presets chatbot mixed] [--rates 0.5,1,2]
-        [--num-prompts 30] [--configs disagg 2xcoloc 1xcoloc]
+        [--num-prompts 30] [--configs disagg 2xcoloc 1xcoloc] [--no-interference]
 
-Prints the command, the machine, the SLOs and a table per preset; writes goodput.json and
-goodput.png (goodput, TTFT p99 and TPOT p99 vs rate) to --out-dir (default benchmarks/results/).
+Prints the command, the machine, the SLOs and a table per preset; writes goodput.json,
+goodput.png (goodput, TTFT p99 and TPOT p99 vs rate) and interference.png to --out-dir
+(default benchmarks/results/). The default (all three presets) takes about 25 minutes.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import interference  # noqa: E402  (benchmarks/interference.py)
 from machine import machine_info  # noqa: E402  (benchmarks/machine.py)
 
 from loadtest.arrivals import Schedule  # noqa: E402
@@ -66,11 +71,18 @@ CONFIGS: dict[str, list[tuple[str, set[int], int]]] = {
     "2xcoloc": [("colocated", {0}, 1), ("colocated", {1}, 1)],
     "1xcoloc": [("colocated", {0, 1}, 2)],
 }
+# (c) is the chunked-prefill configuration: a 256-token budget per step splits a long prompt
+# over several steps, so running streams still get a token per step (the default budget, 2048,
+# would take most prompts whole and stall every stream for the length of the prefill).
+CONFIG_FLAGS = {"1xcoloc": ["--max-num-batched-tokens", "256"]}
 DEFAULT_RATES = {
-    "chatbot": [1.0, 2.0, 3.0, 4.0],
+    "chatbot": [1.0, 2.0, 4.0],
     "mixed": [0.25, 0.5, 0.75],
-    "summarization": [0.25, 0.5],
+    "summarization": [0.125, 0.25],
 }
+# Requests per rate: fewer for the long presets keeps one invocation of all three under 30 min.
+DEFAULT_NUM_PROMPTS = {"chatbot": 30, "mixed": 20, "summarization": 12}
+ATTAINMENT_TARGET = 0.9  # "under SLO": at least this share of requests meets both SLOs
 # Prefix caching off: every rate resends the same prompts, which would otherwise skip prefill.
 WORKER_FLAGS = ["--heartbeat-seconds", "0.5", "--ttl-seconds", "2", "--kv-transport", "tcp"]
 WORKER_FLAGS += ["--no-prefix-caching"]
@@ -144,7 +156,11 @@ def deployed(name: str, redis_url: str) -> Iterator[Deployment]:
     deployment = Deployment(name)
     try:
         workers = [
-            pinned_worker(role, [*WORKER_FLAGS, "--threads", str(threads), *registry], cores)
+            pinned_worker(
+                role,
+                [*WORKER_FLAGS, *CONFIG_FLAGS.get(name, []), "--threads", str(threads), *registry],
+                cores,
+            )
             for role, cores, threads in CONFIGS[name]
         ]
         for w in workers:
@@ -206,10 +222,12 @@ class Plan:
     samples: dict[str, list[Sample]]
     base_samples: dict[str, list[Sample]]
     seed: int
+    interference: bool = True
 
     @property
     def num_runs(self) -> int:
-        return len(self.configs) * sum(len(r) + 1 for r in self.rates.values())
+        per_config = sum(len(r) + 1 for r in self.rates.values()) + int(self.interference)
+        return len(self.configs) * per_config
 
 
 def save_partial(out: dict[str, Any], path: Path = Path("/tmp/goodput_partial.pickle")) -> None:
@@ -219,11 +237,15 @@ def save_partial(out: dict[str, Any], path: Path = Path("/tmp/goodput_partial.pi
     path.write_bytes(pickle.dumps(out))
 
 
-def measure(plan: Plan) -> dict[str, dict[str, dict[str, RunOutput]]]:
-    """out[config][preset]["base" or rate] = the run's output, every configuration in turn."""
+def measure(
+    plan: Plan,
+) -> tuple[dict[str, dict[str, dict[str, RunOutput]]], dict[str, interference.InterferenceResult]]:
+    """out[config][preset]["base" or rate] = the run's output, every configuration in turn; and
+    each configuration's interference experiment."""
     from services.redis_server import RedisServer
 
     out: dict[str, dict[str, dict[str, RunOutput]]] = {}
+    hol: dict[str, interference.InterferenceResult] = {}
     bar = tqdm(total=plan.num_runs, unit="run", dynamic_ncols=True, file=sys.stderr)
     with RedisServer() as redis:
         for name in plan.configs:
@@ -239,9 +261,13 @@ def measure(plan: Plan) -> dict[str, dict[str, dict[str, RunOutput]]]:
                         runs[f"{rate:g}"] = at_rate(d.url, plan.samples[preset], rate, plan.seed)
                         bar.update(1)
                     out[name][preset] = runs
+                if plan.interference:
+                    bar.set_description(f"{name} interference")
+                    hol[name] = asyncio.run(interference.measure(d.url))
+                    bar.update(1)
             save_partial(out)
     bar.close()
-    return out
+    return out, hol
 
 
 # -- the results --------------------------------------------------------------------------------
@@ -253,6 +279,20 @@ def slos_for(runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace) ->
     ttft = min(s["mean_ttft_ms"] for s in unloaded.values()) * TTFT_FACTOR
     tpot = min(s["mean_tpot_ms"] for s in unloaded.values()) * TPOT_FACTOR
     return {"ttft": args.slo_ttft_ms or round(ttft, 1), "tpot": args.slo_tpot_ms or round(tpot, 1)}
+
+
+def max_rate_under_slo(rows: dict[str, dict[str, float]]) -> tuple[float, str]:
+    """The highest rate whose attainment stays >= ATTAINMENT_TARGET, linearly interpolated
+    between the last passing and the first failing swept rate; with how it was bounded."""
+    points = sorted((float(rate), row["attainment"]) for rate, row in rows.items())
+    last_rate, last_att = 0.0, 1.0  # an idle system meets its SLOs (they are multiples of it)
+    for rate, att in points:
+        if att < ATTAINMENT_TARGET:
+            share = (last_att - ATTAINMENT_TARGET) / (last_att - att)
+            estimate = last_rate + share * (rate - last_rate)
+            return round(estimate, 3), "below the lowest rate" if last_rate == 0 else "interpolated"
+        last_rate, last_att = rate, att
+    return last_rate, "at least (every swept rate met it)"
 
 
 def row_of(m: Metrics) -> dict[str, float]:
@@ -289,7 +329,13 @@ def summarize(
             }
             for name, by in runs.items()
         }
-        summary[preset] = {"slos_ms": slos, "unloaded": unloaded, "rows": table}
+        max_rates = {name: max_rate_under_slo(rows) for name, rows in table.items()}
+        summary[preset] = {
+            "slos_ms": slos,
+            "unloaded": unloaded,
+            "rows": table,
+            "max_rate_under_slo": {n: {"rate": r, "how": how} for n, (r, how) in max_rates.items()},
+        }
     return summary
 
 
@@ -323,6 +369,9 @@ def print_preset(preset: str, result: dict[str, Any]) -> None:
         )
         cells = ", ".join(f"{n} {result['rows'][n][rate]['goodput']:.3f}" for n in ranked)
         print(f"  {rate:>5} req/s: {ranked[0]}  ({cells})")
+    print(f"max rate with SLO attainment >= {ATTAINMENT_TARGET:g}:")
+    for name, best in result["max_rate_under_slo"].items():
+        print(f"  {name:<9}{best['rate']:>7.3f} req/s  ({best['how']})")
 
 
 def save_plot(path: Path, summary: dict[str, Any], title: str) -> bool:
@@ -361,17 +410,37 @@ def save_plot(path: Path, summary: dict[str, Any], title: str) -> bool:
     return True
 
 
+def print_interference(hol: dict[str, interference.InterferenceResult]) -> None:
+    if not hol:
+        return
+    print("\ninterference: ITL of running streams, quiet vs while long prompts are in flight")
+    print(f"{'config':<9}{'quiet p50':>10}{'p99':>8}{'loaded p50':>11}{'p99':>8}{'max':>8}  TTFT")
+    for name, result in hol.items():
+        s = result.summary()
+        cells = [s[k] or 0.0 for k in ("itl_quiet_p50_ms", "itl_quiet_p99_ms")]
+        cells += [s[k] or 0.0 for k in ("itl_loaded_p50_ms", "itl_loaded_p99_ms")]
+        cells.append(s["itl_loaded_max_ms"] or 0.0)
+        ttfts = ", ".join(f"{t:.0f}" for t in s["long_prompt_ttft_ms"])
+        print(
+            f"{name:<9}{cells[0]:>10.1f}{cells[1]:>8.1f}{cells[2]:>11.1f}{cells[3]:>8.1f}"
+            f"{cells[4]:>8.1f}  {ttfts} ms"
+        )
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    p.add_argument(
-        "--presets", nargs="+", default=["chatbot", "mixed"], choices=list(DEFAULT_RATES)
-    )
+    p.add_argument("--presets", nargs="+", default=list(DEFAULT_RATES), choices=list(DEFAULT_RATES))
     p.add_argument("--rates", help="comma-separated req/s for every preset (default: per preset)")
-    p.add_argument("--num-prompts", type=int, default=30, help="requests per rate")
+    p.add_argument(
+        "--num-prompts", type=int, help=f"requests per rate (default {DEFAULT_NUM_PROMPTS})"
+    )
+    p.add_argument(
+        "--no-interference", action="store_true", help="skip the ITL-under-long-prompts runs"
+    )
     p.add_argument("--baseline-prompts", type=int, default=6, help="unloaded requests per preset")
     p.add_argument("--input-scale", type=float, default=0.25, help="x the presets' input lengths")
     p.add_argument("--output-scale", type=float, default=0.1, help="x the presets' output lengths")
@@ -384,6 +453,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.num_prompts, args.baseline_prompts = 10, 3
     return args
+
+
+def num_prompts(args: argparse.Namespace, preset: str) -> int:
+    return int(args.num_prompts or DEFAULT_NUM_PROMPTS[preset])
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -400,11 +473,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     return Plan(
         configs=args.configs,
         rates=rates,
-        samples={p: workload(p, args.num_prompts, args.seed) for p in args.presets},
+        samples={p: workload(p, num_prompts(args, p), args.seed) for p in args.presets},
         base_samples={
             p: workload(p, args.baseline_prompts, args.seed + 1, even=True) for p in args.presets
         },
         seed=args.seed,
+        interference=not args.no_interference,
     )
 
 
@@ -433,20 +507,28 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     print(describe_workload(plan, args))
     started = time.monotonic()
-    out = measure(plan)
+    out, hol = measure(plan)
     elapsed = time.monotonic() - started
     summary = summarize(out, plan, args)
     for preset, result in summary.items():
         print_preset(preset, result)
+    print_interference(hol)
     print(f"\nmeasured in {elapsed / 60:.1f} min")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     data = {"command": command, "machine": machine, "config": config, "elapsed_s": elapsed}
     path = args.out_dir / "goodput.json"
-    path.write_text(json.dumps({**data, "presets": summary}, indent=2) + "\n")
+    hol_json = interference.to_json(hol, interference.InterferenceConfig()) if hol else None
+    path.write_text(
+        json.dumps({**data, "presets": summary, "interference": hol_json}, indent=2) + "\n"
+    )
     plot = args.out_dir / "goodput.png"
     title = f"goodput on {machine['cores']} cores: disagg vs 2 colocated vs 1 colocated (2 threads)"
     saved = [path] + ([plot] if save_plot(plot, summary, title) else [])
+    hol_plot = args.out_dir / "interference.png"
+    hol_title = "inter-token gaps of running streams while 1024-token prompts arrive"
+    if hol and interference.save_plot(hol_plot, hol, hol_title):
+        saved.append(hol_plot)
     print("saved " + " and ".join(str(p) for p in saved))
     return 0
 

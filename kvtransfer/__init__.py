@@ -36,6 +36,7 @@ from kvtransfer.base import (
     block_checksums,
     verify_checksums,
 )
+from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics, get_metrics
 from kvtransfer.source import TensorBlockSource
 
@@ -49,6 +50,7 @@ __all__ = [
     "ChecksumError",
     "KVLayout",
     "KVTransferClient",
+    "KVFaults",
     "KVTransferServer",
     "TensorBlockSource",
     "TransferError",

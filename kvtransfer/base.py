@@ -38,6 +38,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics, get_metrics
 
 FAILURE_REASONS = (
@@ -159,6 +160,7 @@ class TransferStats:
     num_bytes: int = 0
     seconds: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
+    injected: dict[str, int] = field(default_factory=dict)  # faults injected on purpose, by kind
 
     def record_ok(self, num_bytes: int, seconds: float) -> None:
         self.num_ok += 1
@@ -168,6 +170,9 @@ class TransferStats:
     def record_failure(self, reason: str) -> None:
         self.num_failed += 1
         self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def record_injected(self, kind: str) -> None:
+        self.injected[kind] = self.injected.get(kind, 0) + 1
 
 
 class _Endpoint:
@@ -194,6 +199,8 @@ class KVTransferServer(_Endpoint, abc.ABC):
     Subclasses implement :meth:`start` / :meth:`stop`; for each request they call
     :meth:`check_token` and :meth:`read_blocks` (the validation every transport shares) and,
     after sending, :meth:`record_sent`. A failed pull is counted by whichever step failed.
+    With ``faults`` (testing only, :mod:`kvtransfer.faults`) they ask :meth:`draw_fault`, once
+    per pull that passed validation, whether to drop or corrupt it.
     """
 
     def __init__(
@@ -202,11 +209,13 @@ class KVTransferServer(_Endpoint, abc.ABC):
         layout: KVLayout,
         token: str | None = None,
         metrics: TransferMetrics | None = None,
+        faults: KVFaults | None = None,
     ):
         super().__init__(metrics)
         self.source = source
         self.layout = layout
         self.token = token
+        self.faults = faults
 
     @abc.abstractmethod
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
@@ -280,6 +289,15 @@ class KVTransferServer(_Endpoint, abc.ABC):
     def record_sent(self, num_bytes: int, seconds: float) -> None:
         """Transports call this once every byte of a pull has been handed to the wire."""
         self._record_ok(num_bytes, seconds, "sent")
+
+    def draw_fault(self) -> str | None:
+        """The fault to inject into this pull ("drop", "corrupt" or None: faults off), counted
+        in ``stats.injected`` and the metrics when there is one."""
+        kind = self.faults.draw() if self.faults is not None else None
+        if kind is not None:
+            self.stats.record_injected(kind)
+            self.metrics.inject(self.transport, kind)
+        return kind
 
 
 class KVTransferClient(_Endpoint, abc.ABC):

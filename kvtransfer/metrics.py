@@ -7,6 +7,8 @@ instead of failing with "Duplicated timeseries":
 - ``pdserve_kv_transfer_bytes_total{transport, direction}`` (direction: sent | received)
 - ``pdserve_kv_transfer_seconds{transport}`` (histogram of completed transfers)
 - ``pdserve_kv_transfer_failures_total{transport, reason}``
+- ``pdserve_kv_transfer_faults_injected_total{transport, kind}`` (testing only: faults a server
+  injected on purpose, see :mod:`kvtransfer.faults`)
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ SECONDS_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0,
 
 @dataclass(frozen=True)
 class TransferMetrics:
-    """The three KV transfer metrics registered in one registry."""
+    """The KV transfer metrics registered in one registry."""
 
     bytes_total: Counter
     seconds: Histogram
     failures_total: Counter
+    faults_total: Counter
 
     def observe(self, transport: str, direction: str, num_bytes: int, seconds: float) -> None:
         """Count one completed transfer."""
@@ -36,6 +39,10 @@ class TransferMetrics:
     def fail(self, transport: str, reason: str) -> None:
         """Count one failed or refused transfer."""
         self.failures_total.labels(transport=transport, reason=reason).inc()
+
+    def inject(self, transport: str, kind: str) -> None:
+        """Count one fault injected on purpose (kvtransfer.faults)."""
+        self.faults_total.labels(transport=transport, kind=kind).inc()
 
 
 _lock = threading.Lock()
@@ -67,6 +74,12 @@ def get_metrics(registry: CollectorRegistry | None = None) -> TransferMetrics:
                 "pdserve_kv_transfer_failures",
                 "KV transfers that failed or were refused, by reason.",
                 ["transport", "reason"],
+                registry=registry,
+            ),
+            faults_total=Counter(
+                "pdserve_kv_transfer_faults_injected",
+                "Faults injected on purpose into served KV pulls (--kv-faults; testing only).",
+                ["transport", "kind"],
                 registry=registry,
             ),
         )

@@ -8,6 +8,10 @@ The blocks stay pinned until the client itself releases them, so they cannot cha
 copy, and the decode side verifies their checksums as for any transport.
 
 Address: ``shm://HOST:PORT?path=/dev/shm/FILE``. Only for peers on the same host.
+
+Injected faults (``faults=``, testing only): ``drop`` closes the control connection before the
+reply. ``corrupt`` cannot be injected here: the payload never passes through the server, and
+flipping a byte in the shared file would corrupt the prefill worker's own cache.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from kvtransfer import framing
 from kvtransfer.base import BlockSource, KVLayout, TransferError, bytes_per_row
+from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.tcp import TcpKVClient, TcpKVServer, _format_host
 
@@ -37,10 +42,16 @@ class ShmKVServer(TcpKVServer):
         token: str | None = None,
         metrics: TransferMetrics | None = None,
         path: str = "",
+        faults: KVFaults | None = None,
     ):
-        super().__init__(source, layout, token, metrics)
+        super().__init__(source, layout, token, metrics, faults=faults)
         if not path:
             raise ValueError("the shm transport needs the KV cache's shared-memory file (path=)")
+        if faults is not None and faults.corrupt:
+            raise ValueError(
+                "the shm transport cannot inject 'corrupt' KV faults: the decode side copies the "
+                "blocks from shared memory itself (use tcp, torch or ucx)"
+            )
         self.path = path
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
@@ -65,6 +76,8 @@ class ShmKVServer(TcpKVServer):
         except TransferError as exc:
             await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
             return exc.reason not in ("refused", "protocol")
+        if self.draw_fault() == "drop":  # close without a reply: the client fails at once
+            return False
         await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", 0))
         num_bytes = len(request.block_ids) * self.layout.bytes_per_block
         self.record_sent(num_bytes, time.perf_counter() - start)

@@ -13,6 +13,8 @@ with the total byte count -> send the bytes:
 
 A failure after the OK reply closes the connection, which the client sees as
 ``connection_lost``. A malformed frame gets a ``protocol`` reply and closes that connection only.
+Injected faults (``faults=``, testing only): ``drop`` closes the connection after the OK reply,
+``corrupt`` sends a copy of the payload with one byte flipped.
 
 Client, per pull: take an idle connection to the address (or connect) -> send the request ->
 read the reply -> receive exactly the announced bytes straight into the preallocated output
@@ -38,6 +40,7 @@ from kvtransfer.base import (
     bytes_per_row,
     tensor_bytes,
 )
+from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 
 # Below this many bytes the gather runs on the event loop; above, in a worker thread.
@@ -59,8 +62,9 @@ class TcpKVServer(KVTransferServer):
         metrics: TransferMetrics | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         zero_copy: bool = True,
+        faults: KVFaults | None = None,
     ):
-        super().__init__(source, layout, token, metrics)
+        super().__init__(source, layout, token, metrics, faults)
         self.chunk_bytes = chunk_bytes
         self.zero_copy = zero_copy
         self._listener = framing.SocketListener(self._serve_connection)
@@ -103,9 +107,18 @@ class TcpKVServer(KVTransferServer):
         except TransferError as exc:
             await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
             return exc.reason not in ("refused", "protocol")
+        fault = self.draw_fault()
+        if fault == "corrupt":  # a flipped copy: the KV cache itself stays intact
+            assert self.faults is not None
+            if rows is not None:
+                rows = [self.faults.corrupted(torch.cat(rows))]
+            elif first is not None:
+                first = self.faults.corrupted(first)
         num_bytes = len(request.block_ids) * self.layout.bytes_per_block
         try:
             await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
+            if fault == "drop":  # close with no payload: the client fails now, not at its timeout
+                return False
             if rows is not None:  # straight from the KV cache: the kernel's copy is the only one
                 for row in rows:
                     await loop.sock_sendall(conn, tensor_bytes(row))

@@ -18,6 +18,10 @@ transport's framing (:mod:`kvtransfer.framing`):
 Blocking collectives run in worker threads with the pull's timeout, so the event loop never
 blocks; after any failure or timeout both sides drop the pair (its group may be mid-message),
 and the next pull builds a new one.
+
+Injected faults (``faults=``, testing only): ``drop`` closes the control connection before the
+reply (after an OK the client would sit in gloo's ``recv`` until its timeout), ``corrupt``
+sends a copy of the payload with one byte flipped.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from kvtransfer.base import (
     TransferError,
     bytes_per_row,
 )
+from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.tcp import expect_reply_size
 
@@ -101,8 +106,9 @@ class TorchKVServer(KVTransferServer):
         metrics: TransferMetrics | None = None,
         device: str = "cpu",
         group_timeout: float = 30.0,
+        faults: KVFaults | None = None,
     ):
-        super().__init__(source, layout, token, metrics)
+        super().__init__(source, layout, token, metrics, faults)
         self.backend = backend_for(torch.device(device))
         self.group_timeout = group_timeout
         self._listener = framing.SocketListener(self._serve_connection)
@@ -176,6 +182,12 @@ class TorchKVServer(KVTransferServer):
         start = time.perf_counter()
         args = (request.request_id, request.block_ids, request.bytes_per_block)
         blocks = await asyncio.to_thread(self.read_blocks, *args)
+        fault = self.draw_fault()
+        if fault == "drop":  # the pair is dropped with the connection, as after any failure
+            raise ConnectionResetError("injected fault: pull dropped")
+        if fault == "corrupt":
+            assert self.faults is not None
+            blocks = self.faults.corrupted(blocks)
         num_bytes = blocks.numel() * blocks.element_size()
         await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
         try:

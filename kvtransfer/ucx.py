@@ -19,7 +19,9 @@ token is what keeps strangers out). Per connection (a UCX endpoint), messages ar
 
 Errors: refused / protocol close the endpoint; unknown request / size mismatch keep it. The
 client pools idle endpoints per server, aborts any endpoint involved in a failure or timeout,
-and retries once on a fresh endpoint when a pooled one turns out to be dead.
+and retries once on a fresh endpoint when a pooled one turns out to be dead. Injected faults
+(``faults=``, testing only): ``drop`` closes the endpoint after the OK reply, ``corrupt`` sends
+a copy of the payload with one byte flipped.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from kvtransfer.base import (
     TransferError,
     bytes_per_row,
 )
+from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.tcp import expect_reply_size
 
@@ -121,8 +124,9 @@ class UcxKVServer(KVTransferServer):
         token: str | None = None,
         metrics: TransferMetrics | None = None,
         ucx_options: dict[str, str] | None = None,
+        faults: KVFaults | None = None,
     ):
-        super().__init__(source, layout, token, metrics)
+        super().__init__(source, layout, token, metrics, faults)
         self._ucxx = _require_ucxx(ucx_options)
         self._listener: Any = None
         self._endpoints: set[Any] = set()
@@ -174,8 +178,14 @@ class UcxKVServer(KVTransferServer):
         except TransferError as exc:
             await _send_frame(ep, framing.error_reply(exc.reason, exc.detail))
             return exc.reason not in ("refused", "protocol")
+        fault = self.draw_fault()
+        if fault == "corrupt":
+            assert self.faults is not None
+            blocks = self.faults.corrupted(blocks)
         num_bytes = blocks.numel() * blocks.element_size()
         await _send_frame(ep, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
+        if fault == "drop":  # the endpoint is closed with no payload: the client fails at once
+            return False
         await ep.send(_payload(blocks))
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True

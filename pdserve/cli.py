@@ -203,12 +203,11 @@ def worker_config_from_args(role: str, args: argparse.Namespace) -> WorkerConfig
         trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint or None,
         kv_faults=args.kv_faults or None,
-        log_requests=args.log_requests,
     )
 
 
 def add_observability_args(parser: argparse.ArgumentParser) -> None:
-    """Tracing and request logging flags (router and workers)."""
+    """Tracing flags (router and workers)."""
     g = parser.add_argument_group("observability")
     g.add_argument(
         "--trace-file",
@@ -219,12 +218,6 @@ def add_observability_args(parser: argparse.ArgumentParser) -> None:
         "--otlp-endpoint",
         default=_env("otlp_endpoint", os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")),
         help="export spans with OTLP/gRPC here (default: $OTEL_EXPORTER_OTLP_ENDPOINT)",
-    )
-    g.add_argument(
-        "--log-requests",
-        action="store_true",
-        default=_env("log_requests", False),
-        help="log prompts and outputs (off by default: they may be private)",
     )
 
 
@@ -266,6 +259,26 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         "--request-timeout-seconds", type=float, default=_env("request_timeout_seconds", 600.0)
     )
     g.add_argument("--ttl-seconds", type=float, default=_env("ttl_seconds", 5.0))
+    g.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=_env("log_requests", False),
+        help="log each prompt's text (off by default: prompts may be private)",
+    )
+    g.add_argument(
+        "--ttft-slo-seconds",
+        type=float,
+        default=_env("ttft_slo_seconds", None),
+        help="time-to-first-token SLO: export the share of recent requests meeting it "
+        "(pdserve_router_slo_attainment) and count those over it (default: off)",
+    )
+    g.add_argument(
+        "--itl-slo-seconds",
+        type=float,
+        default=_env("itl_slo_seconds", None),
+        help="inter-token latency SLO, on each request's mean time between tokens after the "
+        "first (TPOT); exported like --ttft-slo-seconds (default: off)",
+    )
     add_observability_args(parser)
 
 
@@ -295,6 +308,8 @@ def router_config_from_args(args: argparse.Namespace):  # type: ignore[no-untype
         trace_file=args.trace_file,
         otlp_endpoint=args.otlp_endpoint or None,
         log_requests=args.log_requests,
+        ttft_slo_seconds=args.ttft_slo_seconds,
+        itl_slo_seconds=args.itl_slo_seconds,
     )
 
 
@@ -347,6 +362,11 @@ def add_up_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=_env("restart", False),
         help="restart a component that exits, with a growing backoff (default: stop everything)",
+    )
+    g.add_argument(
+        "--trace-file",
+        default=_env("trace_file", None),
+        help="every component appends its OpenTelemetry spans to this file as JSON lines",
     )
 
 
@@ -426,6 +446,101 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `pdserve plan` (profile source, workload, SLOs, core budget)."""
+    g = parser.add_argument_group("profile")
+    source = g.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", help="a worker profile JSON (saved by --save-profile)")
+    source.add_argument(
+        "--measure", action="store_true", help="measure the profile now (~1.5 min on 2 cores)"
+    )
+    g.add_argument("--save-profile", help="with --measure: write the profile to this file")
+    g.add_argument(
+        "--profile-threads",
+        type=int,
+        nargs="+",
+        help="torch thread counts to profile (default: 1 and the cores this process may use)",
+    )
+    g.add_argument("--prefill-tokens", type=int, nargs="+", help="prompt lengths to time")
+    g.add_argument("--batch-sizes", type=int, nargs="+", help="decode batch sizes to time")
+    g.add_argument("--contexts", type=int, nargs="+", help="decode context lengths to time")
+    g.add_argument("--transfer-tokens", type=int, nargs="+", help="KV pull sizes to time")
+    g.add_argument("--repeats", type=int, default=3, help="runs per point (the median is kept)")
+    g.add_argument("--model", default=_env("model", None), help="default: SmolLM2-135M-Instruct")
+    g.add_argument("--cache-dir", default=_env("cache_dir", None))
+    w = parser.add_argument_group("workload")
+    w.add_argument("--preset", choices=["chatbot", "summarization", "mixed", "codegen"])
+    w.add_argument("--isl", type=int, help="input tokens of every request (with --osl)")
+    w.add_argument("--osl", type=int, help="output tokens of every request (with --isl)")
+    w.add_argument("--input-scale", type=float, default=1.0, help="x the preset's input lengths")
+    w.add_argument("--output-scale", type=float, default=1.0, help="x the preset's output lengths")
+    w.add_argument("--rate", type=float, help="target req/s: latency at it and pool sizes for it")
+    s = parser.add_argument_group("SLOs and budget")
+    s.add_argument("--ttft-slo", type=float, required=True, help="TTFT limit, ms")
+    s.add_argument("--tpot-slo", type=float, required=True, help="TPOT limit, ms")
+    s.add_argument(
+        "--slo-stat",
+        default="p90",
+        help="per-request statistic the SLOs bound: pNN (percentile) or mean (default p90)",
+    )
+    s.add_argument(
+        "--cores",
+        type=int,
+        default=default_num_threads(),
+        help="core budget (default: the cores this process may use)",
+    )
+    s.add_argument(
+        "--shared-cores",
+        action="store_true",
+        help="the router, Redis or clients run on the workers' cores: recommend one-thread "
+        "workers only (see docs/planning.md)",
+    )
+    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pdserve.plan import SLO, fixed_workload, make_plan, preset_workload
+    from pdserve.plan_report import format_plan, plan_dict
+    from pdserve.profile import ProfileConfig, WorkerProfile, measure_profile
+
+    lengths_given = (args.isl is not None, args.osl is not None)
+    if (
+        (args.preset is None) != (lengths_given == (True, True))
+        or any(lengths_given)
+        and (args.preset or not all(lengths_given))
+    ):
+        raise ValueError("give either --preset or --isl and --osl")
+    if args.preset:
+        workload = preset_workload(args.preset, args.input_scale, args.output_scale)
+    else:
+        workload = fixed_workload(args.isl, args.osl)
+    slo = SLO(args.ttft_slo / 1e3, args.tpot_slo / 1e3, args.slo_stat)
+    if args.measure:
+        lengths = {
+            k: tuple(v)
+            for k in ("prefill_tokens", "batch_sizes", "contexts", "transfer_tokens")
+            if (v := getattr(args, k))
+        }
+        threads = args.profile_threads or sorted({1, default_num_threads()})
+        config = ProfileConfig(
+            threads=tuple(threads),
+            repeats=args.repeats,
+            model=args.model,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            **lengths,  # type: ignore[arg-type]
+        )
+        profile = measure_profile(config)
+        if args.save_profile:
+            profile.save(Path(args.save_profile))
+    else:
+        profile = WorkerProfile.load(Path(args.profile))
+    plan = make_plan(profile, workload, slo, args.cores, args.rate, args.shared_cores)
+    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -465,6 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("up", help="Redis, workers and the router on this machine (`make up`)")
     add_up_args(up)
     up.set_defaults(func=cmd_up)
+
+    plan = sub.add_parser("plan", help="recommend a deployment from a measured worker profile")
+    add_plan_args(plan)
+    plan.set_defaults(func=cmd_plan)
 
     args = parser.parse_args(argv)
     try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import signal
 import socket
 import sys
@@ -83,6 +84,7 @@ class UpConfig:
     api_key: str | None = None
     ready_timeout: float = 180.0
     restart: bool = False  # restart a component that exits, instead of stopping everything
+    trace_file: str | None = None  # every component appends its spans here (JSON lines)
 
     def __post_init__(self) -> None:
         if self.colocated < 0:
@@ -128,6 +130,7 @@ class UpConfig:
             api_key=args.api_key or None,
             ready_timeout=args.ready_timeout,
             restart=args.restart,
+            trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
         )
 
     @property
@@ -159,7 +162,8 @@ class UpConfig:
         return args + self._shared_args()
 
     def _shared_args(self) -> list[str]:
-        return _optional("--model", self.model) + _optional("--cache-dir", self.cache_dir)
+        args = _optional("--model", self.model) + _optional("--cache-dir", self.cache_dir)
+        return args + _optional("--trace-file", self.trace_file)
 
 
 def _optional(flag: str, value: object) -> list[str]:

@@ -185,15 +185,3 @@ class GenerateChunk(_message.Message):
     num_cached_tokens: int
     kv_source: str
     def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_source: _Optional[str] = ...) -> None: ...
-
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class AbortResponse(_message.Message):
-    __slots__ = ("aborted",)
-    ABORTED_FIELD_NUMBER: _ClassVar[int]
-    aborted: bool
-    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...

@@ -197,24 +197,14 @@ class DecodeServiceStub:
                 request_serializer=protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.GenerateChunk.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/pdserve.v1.DecodeService/Abort',
-                request_serializer=protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
-                response_deserializer=protos_dot_pdserve__pb2.AbortResponse.FromString,
-                _registered_method=True)
 
 
 class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """A request is aborted by cancelling its Generate stream: the worker frees its blocks at once.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -226,11 +216,6 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.GenerateChunk.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=protos_dot_pdserve__pb2.AbortRequest.FromString,
-                    response_serializer=protos_dot_pdserve__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -260,33 +245,6 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Generate',
             protos_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             protos_dot_pdserve__pb2.GenerateChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.v1.DecodeService/Abort',
-            protos_dot_pdserve__pb2.AbortRequest.SerializeToString,
-            protos_dot_pdserve__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,10 +1,13 @@
 """The HTTP API: OpenAI's completions, chat completions and models, plus health, readiness,
 metrics and the worker list. Handlers validate and tokenize; `Gateway` and `Orchestrator` do
-the routing; `ResponseBuilder` does the formatting."""
+the routing; `ResponseBuilder` does the formatting. With tracing on, each API request's root span
+(`router.edge.TraceMiddleware`) gets the request's id, model, token counts and finish reasons."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -13,14 +16,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.edge import EdgeMiddleware
+from pdserve import tracing
+from router.edge import EdgeMiddleware, TraceMiddleware
 from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, new_request_id, now_unix
 from router.orchestrator import Chunk, SubRequest
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import DONE, ResponseBuilder
+
+log = logging.getLogger(__name__)
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -34,7 +41,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         finally:
             await gateway.close()
 
-    app = FastAPI(title="pdserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="pdserve", version="0.1.0", lifespan=lifespan, **_without_fastapi_telemetry()
+    )
     install_error_handlers(app)
     app.add_middleware(
         EdgeMiddleware,
@@ -42,6 +51,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         metrics=gateway.metrics,
         api_key=gateway.config.api_key,
     )
+    if tracing.is_enabled():  # added last: outermost, so 401/413 answers carry the trace id
+        app.add_middleware(TraceMiddleware)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -116,6 +127,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     return app
 
 
+def _without_fastapi_telemetry() -> dict[str, Any]:
+    """Recent FastAPI versions trace requests themselves once a tracer provider is installed:
+    a second HTTP span and per-endpoint ones. The request's root span is ours on every version
+    (`TraceMiddleware`, which also covers the edge's 401/413), so FastAPI's is turned off."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    off = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+    return {"telemetry": off}
+
+
 def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBuilder:  # type: ignore[no-untyped-def]
     builder = ResponseBuilder(
         kind,
@@ -139,8 +160,22 @@ async def _respond(
     stream: bool,
     arrival: float,
 ) -> Response:
+    if gateway.config.log_requests:
+        _log_prompts(gateway, subs)
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "pdserve.request_id": builder.id,
+                "pdserve.model": gateway.model.name,
+                "pdserve.prompt_tokens": builder.usage.prompt_tokens,
+                "pdserve.num_prompts": len(subs),
+                "pdserve.n": subs[0].params.n,
+                "pdserve.stream": stream,
+            }
+        )
     gateway.acquire()
-    clock = _Clock(gateway, arrival)
+    clock = _Clock(gateway, arrival, span)
     if not stream:
         try:
             done = await _until_done_or_disconnected(
@@ -205,6 +240,7 @@ async def _events(
     except APIError as error:
         if not started:
             raise
+        tracing.set_error(clock.span, f"error event {error.status}: {error.message}")
         yield builder.error_event(error.message, error.status, error.type)
         yield DONE
     finally:
@@ -243,29 +279,58 @@ async def _disconnected(request: Request) -> None:
 
 
 class _Clock:
-    """TTFT, inter-token and end-to-end latency of one request, into the router's histograms."""
+    """TTFT, inter-token and end-to-end latency of one request, into the router's histograms,
+    and the request judged against the latency SLOs that are set: TTFT at its first token, its
+    mean time between the tokens after the first (TPOT, all choices together) when it ends."""
 
-    def __init__(self, gateway: Gateway, arrival: float):
+    def __init__(self, gateway: Gateway, arrival: float, span: trace.Span):
         self.metrics = gateway.metrics
         self.arrival = arrival
+        self.span = span  # the request's root span (a no-op one when tracing is off)
+        self.first: float | None = None
         self.last: float | None = None
+        self.num_tokens = 0
 
     def tick(self, chunk: Chunk) -> None:
         if not chunk.token_ids:
             return
         now = time.perf_counter()
         if self.last is None:
+            self.first = now
             self.metrics.ttft_seconds.observe(now - self.arrival)
+            self.metrics.judge("ttft", now - self.arrival)
         else:
             per_token = (now - self.last) / len(chunk.token_ids)
             for _ in chunk.token_ids:
                 self.metrics.itl_seconds.observe(per_token)
         self.last = now
+        self.num_tokens += len(chunk.token_ids)
 
     def finish(self, builder: ResponseBuilder) -> None:
-        self.metrics.e2e_seconds.observe(time.perf_counter() - self.arrival)
+        now = time.perf_counter()
+        self.metrics.e2e_seconds.observe(now - self.arrival)
+        if self.first is None:
+            self.metrics.judge_unanswered(now - self.arrival)
+        elif self.last is not None and self.num_tokens > 1:
+            self.metrics.judge("itl", (self.last - self.first) / (self.num_tokens - 1))
         self.metrics.prompt_tokens.inc(builder.usage.prompt_tokens)
         self.metrics.generation_tokens.inc(builder.usage.completion_tokens)
+        if self.span.is_recording():
+            reasons = [c.finish_reason or "none" for c in builder.choices]
+            self.span.set_attributes(
+                {
+                    "pdserve.output_tokens": builder.usage.completion_tokens,
+                    "pdserve.cached_tokens": builder.usage.cached_tokens,
+                    "pdserve.finish_reasons": reasons,
+                }
+            )
+
+
+def _log_prompts(gateway: Gateway, subs: list[SubRequest]) -> None:
+    """``--log-requests``: each prompt's length and text (off by default: prompts are private)."""
+    for sub in subs:
+        text = gateway.model.tokenizer.decode(sub.prompt_token_ids, skip_special_tokens=False)
+        log.info("%s: prompt of %d tokens: %r", sub.request_id, len(sub.prompt_token_ids), text)
 
 
 def _workers(gateway: Gateway) -> dict[str, Any]:

@@ -34,6 +34,10 @@ class RouterConfig:
     trace_file: str | None = None  # append finished spans here as JSON lines
     otlp_endpoint: str | None = None  # export spans with OTLP/gRPC to this collector
     log_requests: bool = False  # log prompts and outputs (off: they may be private)
+    # Latency SLOs the router judges each request against (None: off): its time to first token,
+    # and its mean time between the tokens after the first (TPOT, as pdserve-loadtest's goodput).
+    ttft_slo_seconds: float | None = None
+    itl_slo_seconds: float | None = None
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode", "colocated"):
@@ -44,3 +48,7 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        for slo in ("ttft_slo_seconds", "itl_slo_seconds"):
+            value = getattr(self, slo)
+            if value is not None and not value > 0:
+                raise ValueError(f"{slo} must be > 0 when set, got {value}")

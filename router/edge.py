@@ -4,15 +4,21 @@ read when Content-Length says so, or as soon as a chunked body grows past it), a
 responses by endpoint and status.
 
 The body is read here, whole, and handed to the app again: FastAPI would turn an error raised
-while it reads the body into a 400."""
+while it reads the body into a 400.
+
+With tracing on, `TraceMiddleware` (outermost) opens each ``/v1/*`` request's root span,
+continuing the client's ``traceparent``, and returns the trace id in ``x-pdserve-trace-id`` on
+every response it sees start, errors and streams included."""
 
 from __future__ import annotations
 
 import hmac
 from typing import Any
 
+from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pdserve import tracing
 from router.errors import APIError
 from router.metrics import RouterMetrics
 
@@ -60,6 +66,42 @@ class EdgeMiddleware:
             await self.app(scope, _replay(body, receive), send_counted)
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+
+class TraceMiddleware:
+    """A root span per ``/v1/*`` request; its trace id in the ``x-pdserve-trace-id`` header.
+
+    The span is current while the app runs, so the handlers annotate it (request id, tokens,
+    finish reasons) and the orchestrator's calls become its children. It ends when the response
+    is complete: for a stream, after its last event."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        method = scope["method"]
+        name = f"{method} {path if path in ENDPOINTS else 'other'}"  # bounded span names
+        parent = tracing.context_from_headers(scope.get("headers", ()))
+        attributes = {"http.request.method": method, "url.path": path}
+        with tracing.TRACER.start_as_current_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes=attributes
+        ) as span:
+            header = (tracing.TRACE_ID_HEADER.encode(), tracing.trace_id_of(span).encode())
+
+            async def send_traced(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    status = message["status"]
+                    span.set_attribute("http.response.status_code", status)
+                    if status >= 500:
+                        tracing.set_error(span, f"HTTP {status}")
+                    message = {**message, "headers": [*message.get("headers", ()), header]}
+                await send(message)
+
+            await self.app(scope, receive, send_traced)
 
 
 def _check_key(scope: Scope, expected: str) -> None:

@@ -75,7 +75,13 @@ class Gateway:
         )
         self.view = RegistryView(registry)
         self.orchestrator = Orchestrator(config, self.view, self.metrics, self.rejection)
-        self.metrics.watch_workers(lambda role: len(self.orchestrator.routable(role)))  # type: ignore[arg-type]
+        orchestrator = self.orchestrator
+        self.metrics.watch_workers(lambda role: len(orchestrator.routable(role)))  # type: ignore[arg-type]
+        self.metrics.watch_pools(
+            lambda pool: orchestrator.num_pool_requests[pool],  # type: ignore[index]
+            orchestrator.kv_usage,  # type: ignore[arg-type]
+        )
+        self.metrics.track_slos(config.ttft_slo_seconds, config.itl_slo_seconds)
         self.num_in_flight = 0
         self._pruner: asyncio.Task[None] | None = None
 

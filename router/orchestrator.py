@@ -12,6 +12,10 @@ with an error. When no decode worker ever got the request, the router releases t
 worker's pinned blocks itself (the lease is the backstop). A colocated worker does both phases
 (no KV handle) and is used when no prefill/decode pair is routable.
 
+Each attempt on a worker is a client span (``router.prefill``, ``router.decode``,
+``router.colocated``) under the request's root span, failed ones marked as errors; its trace
+context goes to the worker in the call's metadata, next to the cluster token.
+
 No tensors here: token ids and text only.
 """
 
@@ -27,7 +31,9 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
+from pdserve import tracing
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig
@@ -35,7 +41,7 @@ from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.policies import PolicyContext, RouteRequest, RoutingPolicy, make_policy
 from services.engine.sampling_params import SamplingParams
-from services.registry import RegistryView, Role, WorkerRecord
+from services.registry import ROLES, RegistryView, Role, WorkerRecord
 from services.worker.convert import params_to_proto
 
 log = logging.getLogger(__name__)
@@ -95,6 +101,8 @@ class Orchestrator:
         self.metrics = metrics
         self.accepts = accepts
         self.in_flight: Counter[str] = Counter()
+        # Calls open on each pool's workers: the requests this router has in that pool's hands.
+        self.num_pool_requests: dict[Role, int] = dict.fromkeys(ROLES, 0)
         context = PolicyContext(view, self.in_flight, config.prefix_load_weight)
         self.policies: dict[Role, RoutingPolicy] = {
             "prefill": make_policy(config.prefill_policy, context),
@@ -119,6 +127,13 @@ class Orchestrator:
 
     def decode_candidates(self, prefill: WorkerRecord) -> list[WorkerRecord]:
         return [d for d in self.routable("decode") if d.fingerprint == prefill.fingerprint]
+
+    def kv_usage(self, role: Role) -> float:
+        """KV blocks in use over blocks in all, summed over the routable workers of ``role`` as
+        they last published them (0 with none): the pool's fill, whichever worker holds it."""
+        workers = self.routable(role)
+        total = sum(w.kv_blocks_total for w in workers)
+        return sum(w.kv_blocks_used for w in workers) / total if total else 0.0
 
     def is_ready(self) -> tuple[bool, str]:
         """Whether a request could be served now, and if not, why."""
@@ -230,18 +245,22 @@ class Orchestrator:
                 sampling=params_to_proto(sub.params),
             )
             stub = pb_grpc.PrefillServiceStub(self._channel(worker.grpc_address))
-            try:
-                with self._tracked(worker):
-                    answer = await stub.Prefill(
-                        request,
-                        timeout=self.config.prefill_timeout_seconds,
-                        metadata=self._metadata,
-                    )
-                sub.worker_ids.append(worker.worker_id)
-                return worker, answer
-            except grpc.aio.AioRpcError as exc:
-                last = self._failed("prefill", worker, exc)
-                failed.add(worker.worker_id)
+            span = _attempt_span("prefill", worker, attempt, request.request_id)
+            with tracing.ending(span):
+                try:
+                    with self._tracked(worker):
+                        answer = await stub.Prefill(
+                            request,
+                            timeout=self.config.prefill_timeout_seconds,
+                            metadata=self._metadata + tracing.grpc_metadata(span),
+                        )
+                    sub.worker_ids.append(worker.worker_id)
+                    span.set_attribute("pdserve.cached_tokens", answer.num_cached_tokens)
+                    return worker, answer
+                except grpc.aio.AioRpcError as exc:
+                    tracing.set_error(span, f"{exc.code().name}: {exc.details()}")
+                    last = self._failed("prefill", worker, exc)
+                    failed.add(worker.worker_id)
         raise APIError(503, f"prefill failed: {last}", retry_after=self.config.retry_after_seconds)
 
     async def _stream_with_retries(
@@ -263,28 +282,37 @@ class Orchestrator:
             worker = await self._choose(pool, candidates, route)
             request.request_id = _attempt_id(sub.request_id, pool[0], attempt)
             stub = pb_grpc.DecodeServiceStub(self._channel(worker.grpc_address))
+            span = _attempt_span(pool, worker, attempt, request.request_id)
             call = stub.Generate(
-                request, timeout=max(1.0, deadline - time.monotonic()), metadata=self._metadata
+                request,
+                timeout=max(1.0, deadline - time.monotonic()),
+                metadata=self._metadata + tracing.grpc_metadata(span),
             )
-            started = False
-            try:
-                with self._tracked(worker):
-                    async for message in call:
-                        if not started:
-                            started = True
-                            sub.worker_ids.append(worker.worker_id)
-                            if pool == "colocated":
-                                sub.num_cached_tokens = message.num_cached_tokens
-                        yield _chunk(message, sub.params.logprobs is not None)
-                return
-            except grpc.aio.AioRpcError as exc:
-                reason = self._failed(pool, worker, exc)
-                if started:
-                    raise MidStreamError(502, f"{pool} worker failed mid-stream: {reason}") from exc
-                last = reason
-                failed.add(worker.worker_id)
-            finally:
-                call.cancel()  # a no-op once finished; on client disconnect it aborts the request
+            started, num_tokens = False, 0
+            with tracing.ending(span):
+                try:
+                    with self._tracked(worker):
+                        async for message in call:
+                            if not started:
+                                started = True
+                                sub.worker_ids.append(worker.worker_id)
+                                if pool == "colocated":
+                                    sub.num_cached_tokens = message.num_cached_tokens
+                            num_tokens += len(message.token_ids)
+                            yield _chunk(message, sub.params.logprobs is not None)
+                    span.set_attribute("pdserve.output_tokens", num_tokens)
+                    return
+                except grpc.aio.AioRpcError as exc:
+                    tracing.set_error(span, f"{exc.code().name}: {exc.details()}")
+                    reason = self._failed(pool, worker, exc)
+                    if started:
+                        raise MidStreamError(
+                            502, f"{pool} worker failed mid-stream: {reason}"
+                        ) from exc
+                    last = reason
+                    failed.add(worker.worker_id)
+                finally:
+                    call.cancel()  # a no-op once finished; on client disconnect: abort there
         raise APIError(503, f"{pool} failed: {last}", retry_after=self.config.retry_after_seconds)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -321,13 +349,16 @@ class Orchestrator:
 
     @contextmanager
     def _tracked(self, worker: WorkerRecord) -> Iterator[None]:
-        """Count the call in the worker's in-flight load (and keep its channel open)."""
+        """Count the call in the worker's in-flight load and its pool's (and keep its channel
+        open). A request has at most one call open per pool: retries are sequential."""
         keys = ((self.in_flight, worker.worker_id), (self._busy, worker.grpc_address))
         for counter, key in keys:
             counter[key] += 1
+        self.num_pool_requests[worker.role] += 1
         try:
             yield
         finally:
+            self.num_pool_requests[worker.role] -= 1
             for counter, key in keys:
                 counter[key] -= 1
                 if not counter[key]:
@@ -372,6 +403,20 @@ class Orchestrator:
         await asyncio.gather(*self._background, return_exceptions=True)
         for channel in self._channels.values():
             await channel.close()
+
+
+def _attempt_span(pool: Role, worker: WorkerRecord, attempt: int, request_id: str) -> Span:
+    """The client span of one call to ``worker`` (a child of the current span: the request's)."""
+    return tracing.TRACER.start_span(
+        f"router.{pool}",
+        kind=SpanKind.CLIENT,
+        attributes={
+            "pdserve.request_id": request_id,
+            "pdserve.worker_id": worker.worker_id,
+            "pdserve.worker_address": worker.grpc_address,
+            "pdserve.attempt": attempt,
+        },
+    )
 
 
 def _attempt_id(request_id: str, pool: str, attempt: int) -> str:

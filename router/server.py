@@ -15,6 +15,7 @@ import socket
 
 import uvicorn
 
+from pdserve.tracing import setup_tracing
 from router.app import create_app
 from router.config import RouterConfig
 from router.gateway import Gateway, ModelInfo
@@ -68,4 +69,9 @@ async def serve(config: RouterConfig) -> None:
 def run_router(config: RouterConfig) -> None:
     """Entry point of ``pdserve router``."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
-    asyncio.run(serve(config))
+    tracer_provider = setup_tracing("pdserve-router", config.trace_file, config.otlp_endpoint)
+    try:
+        asyncio.run(serve(config))
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports the spans still queued

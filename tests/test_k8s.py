@@ -5,7 +5,9 @@ Every build (the base and each overlay) is rendered with tests/k8s_render.py (th
 
 - every object validates against the Kubernetes OpenAPI schemas in strict mode (no unknown
   fields), offline, with the schemas the ``kubernetes-validate`` package ships;
-- each HorizontalPodAutoscaler scales the Deployment of its own pool, on metrics that exist;
+- each HorizontalPodAutoscaler scales the Deployment of its own pool, on metrics that exist:
+  worker gauges in services/worker/metrics.py, router series read from a real router's /metrics
+  route, each served by a prometheus-adapter rule of k8s/README.md;
 - each probe names a port the container declares, and the container's environment, parsed by
   pdserve's own CLI, makes the process listen there; HTTP probe paths are routes of the router;
 - termination leaves time for the worker's drain; pods run as non-root with resource requests;
@@ -41,8 +43,11 @@ BUILDS = {
     "cpu": K8S / "overlays" / "cpu",
     "gpu": K8S / "overlays" / "gpu",
     "custom-metrics": K8S / "overlays" / "custom-metrics",
+    "router-metrics": K8S / "overlays" / "router-metrics",
 }
-GPU_BUILDS = ("gpu", "custom-metrics")
+GPU_BUILDS = ("gpu", "custom-metrics", "router-metrics")
+# Builds that scale the worker pools on pdserve's own metrics -> the HPA metric type they use.
+METRIC_BUILDS = {"custom-metrics": "Pods", "router-metrics": "External"}
 # Oldest Kubernetes the manifests promise (native gRPC probes are GA since 1.27; 1.30 is the
 # oldest release still maintained upstream) and the newest the schema package ships.
 K8S_VERSIONS = ("1.30", ".".join(latest_version().split(".")[:2]))
@@ -53,12 +58,59 @@ ROUTER_PROBE_PATHS = {"/health", "/ready"}
 POD_IP = "10.1.2.3"  # what the downward API's status.podIP stands for here
 # Pods metrics the custom-metrics HPAs use -> the worker gauge each is computed from.
 DERIVED_METRICS = {"pdserve_kv_blocks_used_ratio": "pdserve_kv_blocks"}
+# Router series the External HPAs use -> how the adapter must combine the router replicas'
+# series: each router counts only its own requests (add them up), while a figure every router
+# reads from the same registry must be taken once (a sum would count it once per replica).
+ROUTER_AGGREGATION = {
+    "pdserve_router_pool_requests_in_flight": "sum",
+    "pdserve_router_pool_kv_blocks_used_ratio": "max",
+}
+Series = tuple[str, frozenset[tuple[str, str]]]  # a sample's name and labels
 Object = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
 def builds() -> dict[str, list[Object]]:
     return {name: k8s_render.build(path) for name, path in BUILDS.items()}
+
+
+@pytest.fixture(scope="module")
+def router_series() -> set[Series]:
+    """The series a router's /metrics route serves, the router built from `pdserve router`
+    flags as its process builds it (SLOs set). Offline: no request is made, the registry view
+    stays empty, and no Redis is needed."""
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router.app import create_app
+    from router.gateway import Gateway, ModelInfo
+
+    args = command_parser("router", {}).parse_args(
+        ["--ttft-slo-seconds", "1", "--itl-slo-seconds", "0.1"]
+    )
+    config = cli.router_config_from_args(args)
+    # The routes that matter here never touch the tokenizer.
+    model = ModelInfo("m", "m", tokenizer=None, tokenizer_hash="", max_model_len=1)  # type: ignore[arg-type]
+    response = TestClient(create_app(Gateway(config, model))).get("/metrics")
+    assert response.status_code == 200
+    return {
+        (sample.name, frozenset(sample.labels.items()))
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def adapter_rules() -> dict[str, dict[str, Object]]:
+    """The prometheus-adapter rules in k8s/README.md's YAML blocks, by kind (``rules``,
+    ``externalRules``) and by the metric name they serve (``name.as``)."""
+    found: dict[str, dict[str, Object]] = {"rules": {}, "externalRules": {}}
+    readme = (K8S / "README.md").read_text()
+    for block in re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL):
+        document = yaml.safe_load(block)
+        for kind, rules in found.items():
+            for rule in document.get(kind, []) if isinstance(document, dict) else []:
+                rules[rule["name"]["as"]] = rule
+    return found
 
 
 def objects_of(objects: list[Object], kind: str) -> dict[str, Object]:
@@ -211,11 +263,11 @@ def test_default_hpas_use_cpu_and_custom_ones_use_real_worker_metrics(
     builds: dict[str, list[Object]],
 ) -> None:
     metrics_source = (ROOT / "services" / "worker" / "metrics.py").read_text()
-    readme = (K8S / "README.md").read_text()
+    rules = adapter_rules()["rules"]
     for name, objects in builds.items():
         for pool, hpa in objects_of(objects, "HorizontalPodAutoscaler").items():
             types = {m["type"] for m in hpa["spec"]["metrics"]}
-            if name != "custom-metrics" or pool == "router":
+            if name not in METRIC_BUILDS or pool == "router":
                 assert hpa["spec"]["metrics"] == [
                     {
                         "type": "Resource",
@@ -226,12 +278,45 @@ def test_default_hpas_use_cpu_and_custom_ones_use_real_worker_metrics(
                     }
                 ], (name, pool)
                 continue
-            assert types == {"Pods"}, (name, pool)
+            assert types == {METRIC_BUILDS[name]}, (name, pool)
+            if METRIC_BUILDS[name] != "Pods":
+                continue  # the router's metrics: the next test
             for metric in hpa["spec"]["metrics"]:
                 metric_name = metric["pods"]["metric"]["name"]
                 source = DERIVED_METRICS.get(metric_name, metric_name)
                 assert f'"{source}"' in metrics_source, f"{metric_name}: no worker metric {source}"
-                assert metric_name in readme, f"{metric_name}: no prometheus-adapter rule"
+                assert metric_name in rules, f"{metric_name}: no prometheus-adapter rule"
+
+
+def test_external_hpas_use_series_the_router_exports_for_their_pool(
+    builds: dict[str, list[Object]], router_series: set[Series]
+) -> None:
+    rules = adapter_rules()["externalRules"]
+    used = set()
+    for name, objects in builds.items():
+        for pool, hpa in objects_of(objects, "HorizontalPodAutoscaler").items():
+            for metric in hpa["spec"]["metrics"]:
+                if metric["type"] != "External":
+                    continue
+                where = (name, pool)
+                metric_name = metric["external"]["metric"]["name"]
+                selector = metric["external"]["metric"]["selector"]["matchLabels"]
+                used.add(metric_name)
+                # The HPA's own pool, and a series the router really serves with that label.
+                assert selector == {"pool": pool}, where
+                assert any(
+                    series == metric_name and selector.items() <= labels
+                    for series, labels in router_series
+                ), f"{where}: the router exports no {metric_name}{selector}"
+                # An adapter rule serves it, per namespace, combining the router replicas right.
+                rule = rules.get(metric_name)
+                assert rule is not None, f"{metric_name}: no prometheus-adapter externalRule"
+                assert rule["seriesQuery"].startswith(metric_name + "{"), rule
+                assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+                aggregation = ROUTER_AGGREGATION[metric_name]
+                assert rule["metricsQuery"].startswith(f"{aggregation}(<<.Series>>"), rule
+                assert "<<.LabelMatchers>>" in rule["metricsQuery"], rule
+    assert used == set(ROUTER_AGGREGATION), used  # the router-metrics overlay uses them all
 
 
 def test_probes_name_declared_ports_and_router_routes(builds: dict[str, list[Object]]) -> None:

@@ -119,11 +119,14 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         pin_blocks: bool = False,
-    ) -> None:
+    ) -> list[Sequence]:
         """Queue a request; raises ValueError naming the bad field (nothing is allocated).
 
         ``pin_blocks`` (prefill workers): stop after the first token and keep the prompt's KV
         blocks until ``release_pinned``; the output carries their ids in ``kv_block_ids``.
+
+        Returns the request's sequences: the live list (n > 1 forks join it), whose timestamps
+        a caller may read once the request is over (tracing does).
         """
         params = params or SamplingParams()
         if pin_blocks and params.n != 1:
@@ -134,6 +137,7 @@ class LLMEngine:
         seq.num_forks_pending = params.n - 1
         self._requests[request_id] = request
         self.scheduler.add(seq)
+        return request.seqs
 
     def _new_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams
@@ -184,6 +188,9 @@ class LLMEngine:
         """Stop a request now and free its blocks; returns its final output (or None)."""
         request = self._requests.pop(request_id, None)
         if request is None:
+            # A prefill-only request whose last step pinned its blocks just before its caller
+            # went away: no lease will ever cover them, so they go now.
+            self.release_pinned(request_id)
             return None
         pulling = self._pulling.pop(request_id, None)
         if pulling is not None:  # reserved for a pull, not yet in the scheduler
@@ -194,6 +201,11 @@ class LLMEngine:
         output = self._output(request)
         output.finished = True
         return output
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The live list of a request's sequences (see ``add_request``); [] when unknown."""
+        request = self._requests.get(request_id)
+        return request.seqs if request is not None else []
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -218,9 +230,12 @@ class LLMEngine:
         if not seqs:
             return []
         sampled = self.sampler(logits[rows], seqs)
+        now = time.monotonic()
         touched: dict[str, _Request] = {}
         for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
             request = self._requests[seq.request_id]
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             if seq.forced_token is not None:
                 self._append_forced(request, seq)
             else:
@@ -304,6 +319,9 @@ class LLMEngine:
         the last prompt token is computed here, so the other sequences can draw their own first
         token from its logits, while sequence 0 keeps the one it was given.
         """
+        vocab = self.model.config.vocab_size
+        if not 0 <= first_token < vocab:  # it comes off the wire: the step loop must not see it
+            raise ValueError(f"first_token must be an integer in [0, {vocab}), got {first_token}")
         request = self._new_request(request_id, prompt_token_ids, params)
         seq = self._new_sequence(request, index=0)
         if params.n > 1:

@@ -15,6 +15,7 @@ The scheduler never touches tensors: block copies are returned in the batch for 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -88,6 +89,11 @@ class Scheduler:
             budget = self._schedule_swapped(batch, budget)
             if not self.swapped:
                 self._schedule_waiting(batch, budget)
+        if batch.seqs:
+            now = time.monotonic()
+            for seq in batch.seqs:  # a None check per sequence and step: the queue-time mark
+                if seq.first_scheduled_time is None:
+                    seq.first_scheduled_time = now
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -152,6 +158,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         batch.num_preempted += 1
         self.num_preemptions += 1
+        seq.num_preemptions += 1
         host = self.host_pool
         if (
             self.config.preemption_mode == "swap"
@@ -190,6 +197,7 @@ class Scheduler:
         """Take a running sequence out of the batch without freeing its blocks (pinning)."""
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        seq.finished_time = time.monotonic()
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire ``seq`` at once and free its blocks (device and host)."""
@@ -206,6 +214,7 @@ class Scheduler:
         self.pool.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
 
     def sequences_of(self, request_id: str) -> list[Sequence]:
         everything = [*self.running, *self.waiting, *self.swapped]

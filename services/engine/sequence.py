@@ -54,6 +54,12 @@ class Sequence:
     # taken instead of sampling when the last prompt token is computed here.
     forced_token: int | None = None
     forced_logprobs: dict[int, float] | None = None
+    # When things happened (time.monotonic(), like ``arrival``; None: not yet). Plain numbers,
+    # set by the scheduler and the engine; the services turn them into trace spans afterwards.
+    first_scheduled_time: float | None = None  # the first step that computed any of its tokens
+    first_token_time: float | None = None  # the end of the step that sampled its first token
+    finished_time: float | None = None  # finished, aborted, or detached with pinned blocks
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -104,6 +110,7 @@ class Sequence:
             block_hashes=list(self.block_hashes),
             status=self.status,
             logprobs=list(self.logprobs),
+            first_scheduled_time=self.first_scheduled_time,
         )
         if self.params.seed is not None:
             child.generator = torch.Generator().manual_seed(self.params.seed + index)

@@ -3,6 +3,10 @@
 A request's life here: queued -> computing (chunked prefill in the engine's batch, prefix cache
 reused) -> first token sampled -> pinned (lease granted, KVHandle returned) -> released by the
 decode worker, or expired when its lease runs out. Nothing stays pinned past its lease.
+
+Traced as a ``prefill`` span (a child of the router's call, from the call's metadata) with
+``prefill.queue`` (admitted -> first scheduled) and ``prefill.compute`` (first scheduled -> first
+token), built after the fact from the engine sequence's timestamps.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ import logging
 import time
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from kvtransfer.base import KVLayout, block_checksums
 from kvtransfer.source import TensorBlockSource
+from pdserve import tracing
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from services.engine.sequence import Sequence
 from services.worker.async_engine import AsyncEngine
 from services.worker.convert import logprobs_to_proto, params_from_proto
 from services.worker.metrics import WorkerMetrics
@@ -57,33 +64,49 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
-        if self.draining or self.num_active >= self.max_pending:
-            self.metrics.requests.labels(outcome="rejected").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining or full")
-        try:
-            params = dataclasses.replace(params_from_proto(request.sampling), n=1)
-        except ValueError as exc:
-            self.metrics.requests.labels(outcome="invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self.num_active += 1
-        try:
-            return await self._prefill(request, params, context)
-        finally:
-            self.num_active -= 1
+        span = tracing.TRACER.start_span(
+            "prefill",
+            context=tracing.context_from_grpc(context.invocation_metadata()),
+            kind=SpanKind.SERVER,
+            attributes={
+                "pdserve.request_id": request.request_id,
+                "pdserve.prompt_tokens": len(request.token_ids),
+            },
+        )
+        with tracing.ending(span):
+            if self.draining or self.num_active >= self.max_pending:
+                self.metrics.requests.labels(outcome="rejected").inc()
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "prefill worker is draining or full"
+                )
+            try:
+                params = dataclasses.replace(params_from_proto(request.sampling), n=1)
+            except ValueError as exc:
+                self.metrics.requests.labels(outcome="invalid").inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            self.num_active += 1
+            try:
+                return await self._prefill(request, params, context, span)
+            finally:
+                self.num_active -= 1
 
-    async def _prefill(self, request, params, context):  # type: ignore[no-untyped-def]
+    async def _prefill(self, request, params, context, span: Span):  # type: ignore[no-untyped-def]
         final = None
+        seqs: list[Sequence] = []
+        rid = request.request_id
         with self.metrics.prefill_seconds.time():
             try:
-                stream = self.engine.generate(
-                    request.request_id, list(request.token_ids), params, pin_blocks=True
+                queue, seqs = await self.engine.add_request(
+                    rid, list(request.token_ids), params, pin_blocks=True
                 )
-                async for output in stream:
+                async for output in self.engine.outputs(rid, queue):
                     final = output
             except ValueError as exc:
                 self.metrics.requests.labels(outcome="invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         assert final is not None
+        if span.is_recording():
+            _trace_prefill(span, seqs[0], final.num_cached_tokens, len(final.kv_block_ids or ()))
         out = final.outputs[0]
         response = pb.PrefillResponse(
             first_token=out.token_ids[0],
@@ -125,8 +148,10 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
         released = self.leases.release(request.request_id)
-        if released:
-            await self.engine.call(self.engine.engine.release_pinned, request.request_id)
+        if released:  # shielded: the lease is gone, so a cancelled call would pin them for good
+            await asyncio.shield(
+                self.engine.call(self.engine.engine.release_pinned, request.request_id)
+            )
         return pb.ReleaseResponse(released=released)
 
     async def RenewLease(  # noqa: N802
@@ -145,6 +170,25 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                 self.metrics.lease_expirations.inc()
                 await self.engine.call(self.engine.engine.release_pinned, request_id)
             await asyncio.sleep(interval)
+
+
+def _trace_prefill(span: Span, seq: Sequence, num_cached_tokens: int, num_blocks: int) -> None:
+    """The prefill span's attributes and its queue and compute phases."""
+    span.set_attributes(
+        {
+            "pdserve.cached_tokens": num_cached_tokens,
+            "pdserve.kv_blocks": num_blocks,
+            "pdserve.preemptions": seq.num_preemptions,
+        }
+    )
+    tracing.add_span("prefill.queue", span, seq.arrival, seq.first_scheduled_time)
+    tracing.add_span(
+        "prefill.compute",
+        span,
+        seq.first_scheduled_time,
+        seq.first_token_time,
+        {"pdserve.computed_tokens": seq.num_prompt_tokens - num_cached_tokens},
+    )
 
 
 def _unix_ms_in(seconds: float) -> int:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
+from services.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,16 +83,29 @@ class AsyncEngine:
             if not finished:  # cancelled (client gone) or failed: free its blocks now
                 await asyncio.shield(self.call(self.engine.abort_request, request_id))
 
+    async def add_request(
+        self, request_id: str, prompt: list[int], params: Any, pin_blocks: bool = False
+    ) -> tuple[asyncio.Queue[RequestOutput], list[Sequence]]:
+        """Open the request's stream and add it (ValueError for bad input, nothing left
+        behind); returns the stream for ``outputs`` and the request's sequences, whose
+        timestamps may be read once it is over."""
+        queue = self.open_stream(request_id)
+        try:
+            seqs = await self.call(self.engine.add_request, request_id, prompt, params, pin_blocks)
+        except ValueError:  # refused: nothing was added
+            self.close_stream(request_id)
+            raise
+        except BaseException:  # cancelled, perhaps after the engine took it: take it back
+            self.close_stream(request_id)
+            await asyncio.shield(self.call(self.engine.abort_request, request_id))
+            raise
+        return queue, seqs
+
     async def generate(
         self, request_id: str, prompt: list[int], params: Any, pin_blocks: bool = False
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and stream its outputs (ValueError for bad input, nothing left behind)."""
-        queue = self.open_stream(request_id)
-        try:
-            await self.call(self.engine.add_request, request_id, prompt, params, pin_blocks)
-        except BaseException:
-            self.close_stream(request_id)
-            raise
+        queue, _ = await self.add_request(request_id, prompt, params, pin_blocks)
         async for output in self.outputs(request_id, queue):
             yield output
 

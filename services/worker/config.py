@@ -62,7 +62,6 @@ class WorkerConfig:
     trace_file: str | None = None  # append finished spans here as JSON lines
     otlp_endpoint: str | None = None  # export spans with OTLP/gRPC to this collector
     kv_faults: str | None = None  # fault injection on served KV pulls, "drop=0.1,corrupt=0.1"
-    log_requests: bool = False  # log prompts and outputs (off: they may be private)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

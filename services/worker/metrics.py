@@ -50,6 +50,16 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grpc_refused = Counter(
+            "pdserve_grpc_refused",
+            "gRPC calls refused for a missing or wrong cluster token",
+            registry=r,
+        )
+        self.grpc_malformed = Counter(
+            "pdserve_grpc_malformed",
+            "gRPC calls whose request bytes did not parse (answered INVALID_ARGUMENT)",
+            registry=r,
+        )
         self._engine_gauges(role, engine)
 
     def _engine_gauges(self, role: str, engine: LLMEngine) -> None:

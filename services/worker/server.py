@@ -23,8 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
+from prometheus_client import Counter
 
 import kvtransfer
 from kvtransfer.base import KVLayout
@@ -55,9 +57,9 @@ TOKEN_HEADER = "x-pdserve-token"
 class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call that does not present the cluster token (health checks excepted)."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, refused: Counter | None = None):
         self._token = token.encode()
-        self.num_refused = 0
+        self._refused = refused
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong cluster token")
@@ -74,8 +76,56 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
         presented = dict(details.invocation_metadata or ()).get(TOKEN_HEADER, "")
         if hmac.compare_digest(str(presented).encode(), self._token):
             return await continuation(details)
-        self.num_refused += 1
+        if self._refused is not None:
+            self._refused.inc()  # no method label: a prober chooses the method names
+        log.warning("refused %.100s: missing or wrong cluster token", details.method)
         return self._deny
+
+
+class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT (and counts it) when a request's bytes do not parse.
+
+    Left alone, grpc.aio answers such a call UNKNOWN and logs a traceback per call, which lets
+    any peer fill the logs. The handler is rewrapped to receive raw bytes and parse them itself.
+    """
+
+    def __init__(self, malformed: Counter | None = None):
+        self._malformed = malformed
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return parse(raw)
+            except DecodeError as exc:
+                if self._malformed is not None:
+                    self._malformed.inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method}: {exc}")
+
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await unary(await parsed(raw, context), context)
+
+            return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                async for item in stream(await parsed(raw, context), context):
+                    yield item
+
+            return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+        return handler
 
 
 def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fingerprint:
@@ -134,9 +184,12 @@ class Worker:
     async def run(self) -> None:
         cfg = self.config
         self.async_engine.start()
-        interceptors = []
-        if cfg.cluster_token:
-            interceptors.append(ClusterTokenInterceptor(cfg.cluster_token))
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if cfg.cluster_token:  # first: an unauthenticated peer learns nothing about parsing
+            interceptors.append(
+                ClusterTokenInterceptor(cfg.cluster_token, self.metrics.grpc_refused)
+            )
+        interceptors.append(MalformedMessageInterceptor(self.metrics.grpc_malformed))
         server = grpc.aio.server(interceptors=interceptors)
         port = server.add_insecure_port(f"{_bracketed(cfg.host)}:{cfg.grpc_port}")
         self._public_host = cfg.public_host  # 0.0.0.0 -> this container's address, once
@@ -181,7 +234,10 @@ class Worker:
         token = cfg.cluster_token
         if cfg.role in ("prefill", "colocated"):
             leases = TensorBlockSource(self.engine.runner.kv_cache, cfg.lease_seconds)
-            options: dict[str, Any] = {"metrics": self.transfer_metrics}
+            options: dict[str, Any] = {
+                "metrics": self.transfer_metrics,
+                "faults": kvtransfer.KVFaults.parse(cfg.kv_faults),  # None: off (the default)
+            }
             if self.shm_path is not None:
                 options["path"] = self.shm_path
             transfer_server = kvtransfer.make_server(
@@ -296,5 +352,14 @@ def run_worker(config: WorkerConfig, cache_dir: Path | None = None) -> None:
     """Entry point of ``pdserve prefill|decode|colocated``."""
     log_format = f"%(asctime)s {config.role} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=log_format)
-    worker = Worker(config, cache_dir)
-    asyncio.run(worker.run())
+    from pdserve.tracing import setup_tracing  # here: the entry point is the one place to set up
+
+    tracer_provider = setup_tracing(
+        f"pdserve-{config.role}", config.trace_file, config.otlp_endpoint
+    )
+    try:
+        worker = Worker(config, cache_dir)
+        asyncio.run(worker.run())
+    finally:
+        if tracer_provider is not None:
+            tracer_provider.shutdown()  # exports the spans still queued

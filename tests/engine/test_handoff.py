@@ -107,3 +107,23 @@ def test_prefill_only_requests_must_have_n_1(pair):
     p_engine, _ = pair
     with pytest.raises(ValueError, match="n must be 1"):
         p_engine.add_request("x", "hi", SamplingParams(n=2), pin_blocks=True)
+
+
+@pytest.mark.parametrize("first_token", [-1, 49152, 2**31 - 1])
+def test_a_first_token_outside_the_vocabulary_is_refused_up_front(pair, first_token):
+    """It arrives off the wire; admitted, it would fail the whole batch's next step."""
+    _, d = pair
+    ids = d.tokenizer.encode(PROMPTS[0])
+    with pytest.raises(ValueError, match="first_token must be an integer in"):
+        d.add_prefilled_request("bad-first", ids, first_token, GREEDY)
+    assert not d.scheduler.has_unfinished
+
+
+def test_abort_after_the_final_prefill_step_frees_the_pinned_blocks(pair):
+    """A caller that goes away just as its prefill finished never gets a lease: the abort that
+    follows must free the blocks that step pinned (found by the chaos soak)."""
+    p_engine, _ = pair
+    prefill(p_engine, "late-abort", PROMPTS[0], GREEDY)
+    assert p_engine.num_pinned_requests == 1 and p_engine.pool.num_used_blocks > 0
+    assert p_engine.abort_request("late-abort") is None
+    assert p_engine.num_pinned_requests == 0 and p_engine.pool.num_used_blocks == 0

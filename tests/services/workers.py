@@ -135,9 +135,10 @@ async def disaggregated(
     params: SamplingParams,
     before_generate=None,
     max_chunks: int | None = None,
+    metadata=(),
 ) -> Result:  # type: ignore[no-untyped-def]
     """The router's flow: Prefill on P, then Generate on D with the first token and KVHandle."""
-    answer = await prefill(p_address, request_id, prompt, params)
+    answer = await prefill(p_address, request_id, prompt, params, metadata)
     result = Result(
         first_token=answer.first_token,
         token_ids=[answer.first_token],
@@ -158,7 +159,7 @@ async def disaggregated(
         first_logprobs=answer.logprobs,
         kv=answer.kv,
     )
-    return await generate(d_address, request, result, max_chunks)
+    return await generate(d_address, request, result, max_chunks, metadata)
 
 
 async def colocated(

@@ -1,0 +1,81 @@
+"""The cluster token between a real router and real workers, and what reaches the router's log.
+
+Workers started with ``PDSERVE_CLUSTER_TOKEN`` serve a router holding the same token; a router
+with another token is refused on every call, counted by the workers, and its clients get a
+clear 503 instead of a hang. Prompts never appear in the router's log unless asked for.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from services.worker.launcher import WorkerProcess
+from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+from tests.services.workers import SMALL, metric
+
+TOKEN = "cluster-s3cret"
+SECRET_PROMPT = "my bank PIN is 4711 and"
+
+
+@pytest.fixture(scope="module")
+def secured(redis_server):  # type: ignore[no-untyped-def]
+    c = Cluster(redis_server.url)
+    env = {"PDSERVE_CLUSTER_TOKEN": TOKEN}
+    workers = [WorkerProcess(r, [*SMALL, *c.worker_args()], env=env) for r in ("prefill", "decode")]
+    for w in workers:
+        w.spawn()
+        c.workers.append(w)
+    try:
+        for w in workers:
+            w.wait_ready()
+        yield c
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
+
+
+def _router(c: Cluster, token: str, *extra: str) -> Router:
+    args = ["--port", "0", "--ttl-seconds", "2", *c.worker_args(*extra)]
+    process = WorkerProcess("router", args, env={"PDSERVE_CLUSTER_TOKEN": token})
+    c.routers.append(process)
+    process.start()
+    router = Router(process)
+    router.wait_ready(num_workers=2)
+    return router
+
+
+def test_a_router_with_the_token_is_served(secured: Cluster) -> None:
+    router = _router(secured, TOKEN)
+    answer = router.client().completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 4
+    assert all(wait_until(lambda w=w: blocks_in_use(w) == 0) for w in secured.workers)
+
+
+def test_a_router_with_another_token_is_refused_and_counted(secured: Cluster) -> None:
+    p, d = secured.workers
+    before = metric(p, "pdserve_grpc_refused_total")
+    router = _router(secured, "not-the-token", "--max-attempts", "2")
+    with pytest.raises(openai.APIStatusError) as caught:
+        router.client().completions.create(model=MODEL, prompt="Hello", max_tokens=4)
+    assert caught.value.status_code == 503
+    assert "UNAUTHENTICATED" in caught.value.message
+    assert metric(p, "pdserve_grpc_refused_total") >= before + 1
+    assert "refused the router's cluster token" in router.process.output_tail(100)
+    assert blocks_in_use(p) == 0 and blocks_in_use(d) == 0
+
+
+def test_prompts_stay_out_of_the_log_unless_asked(secured: Cluster) -> None:
+    quiet = _router(secured, TOKEN)
+    chatty = _router(secured, TOKEN, "--log-requests")
+    for router in (quiet, chatty):
+        router.client().completions.create(
+            model=MODEL, prompt=SECRET_PROMPT, max_tokens=2, temperature=0
+        )
+    assert SECRET_PROMPT not in quiet.process.output_tail(200)
+    assert SECRET_PROMPT not in "".join(w.output_tail(200) for w in secured.workers)
+    assert SECRET_PROMPT in chatty.process.output_tail(200)

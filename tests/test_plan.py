@@ -1,0 +1,339 @@
+"""`pdserve plan`: the queueing model on a synthetic profile, the profiler, the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from pdserve.cli import main
+from pdserve.plan import (
+    SLO,
+    Deployment,
+    decode_context,
+    evaluate,
+    fixed_workload,
+    make_plan,
+    predict,
+    predict_colocated_worker,
+    preset_workload,
+    size_pools,
+)
+from pdserve.profile import DecodePoint, ThreadProfile, WorkerProfile, isotonic
+from pdserve.queueing import MG1, compound_poisson_cdf
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (128, 512, 1024)
+
+
+def curve(threads: int, speedup: float = 1.0) -> ThreadProfile:
+    """Prefill 20 ms + 2 ms/token; decode step 50 ms + 4 ms/seq + 20 us/context token."""
+    lengths = [32, 128, 512, 2048]
+    prefill = [(0.02 + 0.002 * n) / speedup for n in lengths]
+    decode = [
+        DecodePoint(b, c, (0.05 + 0.004 * b + 2e-5 * b * c) / speedup)
+        for c in CONTEXTS
+        for b in BATCHES
+    ]
+    return ThreadProfile(threads, lengths, prefill, decode)
+
+
+def synthetic_profile() -> WorkerProfile:
+    return WorkerProfile(
+        model="synthetic",
+        block_size=16,
+        kv_bytes_per_token=46080.0,
+        kv_pool_tokens=23296,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        transfer_gbps=1.0,
+        transfer_latency_s=0.001,
+        threads=[curve(1), curve(2, speedup=1.5)],
+    )
+
+
+PROFILE = synthetic_profile()
+DECODE_HEAVY = fixed_workload(32, 300)
+PREFILL_HEAVY = fixed_workload(2000, 4)
+LOOSE = SLO(ttft_s=5.0, tpot_s=0.2)
+
+
+# -- the profile --------------------------------------------------------------------------------
+
+
+def test_profile_lookups_follow_the_measured_curves():
+    one = PROFILE.for_threads(1)
+    for batch, context in [(3, 300), (1, 128), (64, 128), (100, 2000), (20, 700)]:
+        expected = 0.05 + 0.004 * batch + 2e-5 * batch * context
+        assert one.decode_step_time(batch, context) == pytest.approx(expected), (batch, context)
+    assert one.decode_step_time(2, 10) == one.decode_step_time(2, 128)  # below: the smallest
+    assert one.prefill_time(128) == pytest.approx(0.276)
+    assert one.prefill_time(80) == pytest.approx(0.02 + 0.002 * 80)  # interpolated
+    assert one.prefill_time(4096) == pytest.approx(0.02 + 0.002 * 4096)  # last slope
+    # 2 blocks of 16 tokens (whole blocks move), 46080 B each token, 1 GB/s, 1 ms latency
+    assert PROFILE.transfer_time(17) == pytest.approx(0.001 + 32 * 46080 / 1e9)
+    with pytest.raises(KeyError, match="no 4-thread profile"):
+        PROFILE.for_threads(4)
+
+
+def test_a_dip_in_the_measured_step_times_is_taken_as_noise():
+    points = [DecodePoint(1, 128, 0.10), DecodePoint(2, 128, 0.08), DecodePoint(4, 128, 0.20)]
+    noisy = ThreadProfile(1, [32, 64], [0.1, 0.2], points)
+    assert noisy.decode_step_time(1, 128) == pytest.approx(0.09)  # the dip is pooled
+    assert noisy.decode_step_time(2, 128) == pytest.approx(0.09)
+    assert noisy.decode_step_time(3, 128) == pytest.approx(0.145)
+    assert noisy.decode_step_time(8, 128) == pytest.approx(0.20 + 4 * 0.055)  # last slope
+    assert isotonic([3.0, 1.0, 2.0, 5.0, 4.0]) == pytest.approx([2, 2, 2, 4.5, 4.5])
+
+
+def test_profile_survives_json():
+    again = WorkerProfile.from_json(PROFILE.to_json())
+    assert again == PROFILE
+    assert again.for_threads(2).decode_step_time(3, 100) == PROFILE.for_threads(2).decode_step_time(
+        3, 100
+    )
+
+
+# -- the queueing pieces ------------------------------------------------------------------------
+
+
+def test_mg1_wait_is_pollaczek_khinchine():
+    # M/D/1: E[W] = rho S / 2(1 - rho)
+    queue = MG1(rate=5.0, service=np.array([0.1]), weights=np.array([1.0]))
+    assert queue.utilization == pytest.approx(0.5)
+    assert queue.mean_wait == pytest.approx(0.5 * 0.1 / (2 * 0.5))
+    assert queue.wait_cdf(np.array([-1.0, 0.0]))[0] == 0.0
+    assert queue.wait_cdf(np.array([0.0]))[0] == pytest.approx(0.5)  # no wait w.p. 1 - rho
+    assert math.isinf(MG1(10.0, np.array([0.1]), np.array([1.0])).mean_wait)
+
+
+def test_compound_poisson_with_one_size_is_a_poisson_count():
+    # X = N * 0.1 with N ~ Poisson(2): P(X <= 0.25) = P(N <= 2)
+    cdf = compound_poisson_cdf(np.array([0.25]), np.array([2.0]), np.array([0.1]), np.array([1.0]))
+    expected = sum(math.exp(-2) * 2**k / math.factorial(k) for k in range(3))
+    assert cdf[0] == pytest.approx(expected)
+    zero = compound_poisson_cdf(np.array([0.0]), np.array([0.0]), np.array([0.1]), np.array([1.0]))
+    assert zero[0] == 1.0
+
+
+def test_colocated_mean_tpot_is_the_decode_step_stretched_by_prefill():
+    slo = SLO(5.0, 0.2, "mean")
+    one = PROFILE.for_threads(1)
+    w = fixed_workload(256, 50)
+    p = predict_colocated_worker(PROFILE, one, w, 0.5, slo)
+    assert not p.problem
+    # a prompt adds its prefill less a one-token step's fixed cost to a step that runs anyway
+    rho = 0.5 * (one.prefill_time(256) - one.decode_step_time(1, 0))
+    step = one.decode_step_time(p.decode_batch, decode_context(w))
+    assert p.prefill_utilization == pytest.approx(rho)
+    assert p.tpot_s == pytest.approx(step / (1 - rho), rel=1e-3)
+    # Little's law: the batch is the arrival rate times the time in the batch
+    assert p.decode_batch == pytest.approx(0.5 * 49 * step / (1 - rho), rel=1e-3)
+
+
+def test_latencies_grow_with_the_rate():
+    for d in (Deployment(1, 1), Deployment(num_colocated=2)):
+        prev = predict(PROFILE, d, preset_workload("mixed", 0.25, 0.1), 0.01, LOOSE)
+        for rate in (0.1, 0.3, 0.6, 0.9):
+            p = predict(PROFILE, d, preset_workload("mixed", 0.25, 0.1), rate, LOOSE)
+            assert p.ttft_s >= prev.ttft_s * 0.999 and p.tpot_s >= prev.tpot_s * 0.999, (d, rate)
+            prev = p
+
+
+# -- what the plan decides ----------------------------------------------------------------------
+
+
+def test_more_decode_workers_never_lower_a_decode_bound_max_rate():
+    rates = [evaluate(PROFILE, Deployment(1, y), DECODE_HEAVY, LOOSE).max_rate for y in range(1, 8)]
+    assert all(b >= a for a, b in zip(rates, rates[1:])), rates
+    assert rates[1] > 1.5 * rates[0]  # decode-bound: a second decode worker nearly doubles it
+
+
+def test_prefill_heavy_workloads_get_more_prefill_workers():
+    def best_split(workload):
+        plan = make_plan(PROFILE, workload, SLO(8.0, 0.2), cores=4)
+        disagg = [c for c in plan.candidates if c.deployment.is_disaggregated]
+        return max(disagg, key=lambda c: c.max_rate).deployment
+
+    assert best_split(PREFILL_HEAVY) == Deployment(3, 1)
+    assert best_split(DECODE_HEAVY) == Deployment(1, 3)
+    pools = size_pools(PROFILE, PREFILL_HEAVY, SLO(8.0, 0.2), rate=2.0)
+    disagg = next(s.deployment for s in pools if s.deployment.is_disaggregated)
+    assert disagg.num_prefill > disagg.num_decode
+
+
+def test_pool_sizes_are_the_fewest_workers_that_meet_the_rate():
+    workload = preset_workload("chatbot", 0.25, 0.1)
+    for sizing in size_pools(PROFILE, workload, LOOSE, rate=12.0):
+        d = sizing.deployment
+        assert evaluate(PROFILE, d, workload, LOOSE).max_rate >= 12.0 * 0.999, d.name
+        if d.is_disaggregated:
+            fewer = [
+                Deployment(d.num_prefill - 1, d.num_decode),
+                Deployment(d.num_prefill, d.num_decode - 1),
+            ]
+            fewer = [f for f in fewer if f.num_prefill and f.num_decode]
+        else:
+            fewer = [Deployment(num_colocated=d.num_colocated - 1, threads=d.threads)]
+            fewer = [f for f in fewer if f.num_colocated]
+        for f in fewer:
+            assert evaluate(PROFILE, f, workload, LOOSE).max_rate < 12.0, f.name
+
+
+def test_an_slo_tighter_than_one_request_alone_gives_rate_zero_and_says_why():
+    # a 2000-token prompt alone takes 4 s to prefill on one thread
+    tight = SLO(ttft_s=1.0, tpot_s=0.2)
+    c = evaluate(PROFILE, Deployment(1, 1), PREFILL_HEAVY, tight)
+    assert c.max_rate == 0.0
+    assert "unloaded" in c.limit and "TTFT p90 4020 ms > 1000" in c.limit
+    plan = make_plan(PROFILE, PREFILL_HEAVY, tight, cores=2)
+    assert all(c.max_rate == 0 for c in plan.candidates)
+
+
+def test_one_token_answers_have_no_tpot():
+    plan = make_plan(PROFILE, fixed_workload(500, 1), SLO(2.0, 0.05), cores=2)
+    assert all(c.unloaded.tpot_s == 0 and c.max_rate > 0 for c in plan.candidates)
+
+
+def test_the_budget_lists_every_split_and_both_colocated_shapes():
+    plan = make_plan(PROFILE, DECODE_HEAVY, LOOSE, cores=2)
+    names = [c.deployment.name for c in plan.candidates]
+    assert names == ["1P:1D", "2x colocated", "1x colocated, 2 threads"]
+    names = [c.deployment.name for c in make_plan(PROFILE, DECODE_HEAVY, LOOSE, 4).candidates]
+    assert names == ["1P:3D", "2P:2D", "3P:1D", "4x colocated"]  # no 4-thread profile
+
+
+def test_shared_cores_recommend_only_one_thread_workers():
+    # two threads 2.5x faster than one: on cores of its own, the wide worker wins
+    profile = dataclasses.replace(PROFILE, threads=[curve(1), curve(2, speedup=2.5)])
+    chat = preset_workload("chatbot", 0.25, 0.1)
+    plan = make_plan(profile, chat, LOOSE, cores=2, rate=3.0)
+    assert plan.best.deployment == Deployment(num_colocated=1, threads=2)
+    shared = make_plan(profile, chat, LOOSE, cores=2, rate=3.0, shared_cores=True)
+    assert shared.best.deployment.threads == 1
+    assert shared.best.max_rate < plan.best.max_rate
+    assert all(s.deployment.threads == 1 for s in shared.sizing) and shared.sizing
+
+
+def test_presets_are_scaled_like_the_goodput_sweep():
+    chat = preset_workload("chatbot", 0.25, 0.1)  # in 12-50, out 10-50
+    assert min(c.input_tokens for c in chat.classes) >= 12
+    assert max(c.input_tokens for c in chat.classes) <= 50
+    assert chat.mean_input == pytest.approx(31, abs=1) and chat.mean_output == pytest.approx(
+        30, abs=1
+    )
+    mixed = preset_workload("mixed")
+    assert sum(c.weight for c in mixed.classes) == pytest.approx(1.0)
+    assert max(c.input_tokens for c in mixed.classes) > 3000  # summarization is in the mix
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset_workload("poetry")
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def plan_args(profile_path: str, *extra: str) -> list[str]:
+    return [
+        "plan",
+        "--profile",
+        profile_path,
+        "--preset",
+        "chatbot",
+        "--input-scale",
+        "0.25",
+        "--output-scale",
+        "0.1",
+        "--ttft-slo",
+        "554",
+        "--tpot-slo",
+        "168.7",
+        "--cores",
+        "2",
+        *extra,
+    ]
+
+
+def test_cli_prints_the_candidates_and_a_recommendation(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    PROFILE.save(path)
+    assert main(plan_args(str(path), "--rate", "2")) == 0
+    out = capsys.readouterr().out
+    assert "SLOs (p90 per request): TTFT <= 554 ms, TPOT <= 168.7 ms; 2 core(s)" in out
+    for name in ("1P:1D", "2x colocated", "1x colocated, 2 threads"):
+        assert name in out
+    assert "at 2 req/s TTFT" in out
+    assert "On 2 core(s), run " in out and "Cheapest for 2 req/s" in out
+    assert "not recommended" not in out
+
+    assert main(plan_args(str(path), "--shared-cores")) == 0
+    out = capsys.readouterr().out
+    assert "1x colocated, 2 threads" in out and "(not recommended: shared cores)" in out
+    assert "On 2 core(s), run 1x colocated" not in out and "On 2 core(s), run " in out
+
+    assert main(plan_args(str(path), "--json", "--slo-stat", "mean")) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["slo"]["statistic"] == "mean"
+    assert data["best"] in [c["deployment"]["name"] for c in data["candidates"]]
+    best = max(data["candidates"], key=lambda c: c["max_rate"])
+    assert best["deployment"]["name"] == data["best"]
+
+
+def test_cli_refuses_a_workload_that_is_not_one(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    PROFILE.save(path)
+    args = plan_args(str(path))
+    args[args.index("--preset") : args.index("--preset") + 2] = ["--isl", "100"]
+    assert main(args) == 2
+    assert "give either --preset or --isl and --osl" in capsys.readouterr().err
+
+
+def test_measure_on_a_tiny_range_gives_a_valid_profile_quickly(tmp_path, capsys):
+    path = tmp_path / "measured.json"
+    started = time.monotonic()
+    code = main(
+        [
+            *plan_args("", "--save-profile", str(path))[:1],
+            "--measure",
+            "--save-profile",
+            str(path),
+            "--profile-threads",
+            "1",
+            "--prefill-tokens",
+            "16",
+            "256",
+            "--batch-sizes",
+            "1",
+            "4",
+            "--contexts",
+            "64",
+            "--transfer-tokens",
+            "64",
+            "512",
+            "--repeats",
+            "1",
+            "--isl",
+            "100",
+            "--osl",
+            "20",
+            "--ttft-slo",
+            "5000",
+            "--tpot-slo",
+            "500",
+            "--cores",
+            "1",
+        ]
+    )
+    elapsed = time.monotonic() - started
+    assert code == 0
+    assert elapsed < 30, f"tiny profile took {elapsed:.1f} s"
+    profile = WorkerProfile.load(path)
+    one = profile.for_threads(1)
+    assert one.prefill_tokens == [16, 256] and len(one.decode) == 2
+    assert one.prefill_seconds[1] > one.prefill_seconds[0] > 0
+    assert all(p.seconds > 0 for p in one.decode)
+    assert profile.transfer_gbps > 0 and profile.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
+    assert "1x colocated" in capsys.readouterr().out
