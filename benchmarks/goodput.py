@@ -28,7 +28,7 @@ swept rates). Then, per configuration, the interference experiment of
 
 Prints the command, the machine, the SLOs and a table per preset; writes goodput.json,
 goodput.png (goodput, TTFT p99 and TPOT p99 vs rate) and interference.png to --out-dir
-(default benchmarks/results/). The default (all three presets) takes about 25 minutes.
+(default benchmarks/results/). The default (all three presets) takes about 28 minutes.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ DEFAULT_RATES = {
     "summarization": [0.125, 0.25],
 }
 # Requests per rate: fewer for the long presets keeps one invocation of all three under 30 min.
-DEFAULT_NUM_PROMPTS = {"chatbot": 30, "mixed": 20, "summarization": 12}
+DEFAULT_NUM_PROMPTS = {"chatbot": 24, "mixed": 16, "summarization": 10}
 ATTAINMENT_TARGET = 0.9  # "under SLO": at least this share of requests meets both SLOs
 # Prefix caching off: every rate resends the same prompts, which would otherwise skip prefill.
 WORKER_FLAGS = ["--heartbeat-seconds", "0.5", "--ttl-seconds", "2", "--kv-transport", "tcp"]
@@ -441,7 +441,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-interference", action="store_true", help="skip the ITL-under-long-prompts runs"
     )
-    p.add_argument("--baseline-prompts", type=int, default=6, help="unloaded requests per preset")
+    p.add_argument("--baseline-prompts", type=int, default=3, help="unloaded requests per preset")
     p.add_argument("--input-scale", type=float, default=0.25, help="x the presets' input lengths")
     p.add_argument("--output-scale", type=float, default=0.1, help="x the presets' output lengths")
     p.add_argument("--slo-ttft-ms", type=float, help=f"default {TTFT_FACTOR:g}x unloaded TTFT")

@@ -337,3 +337,37 @@ def test_measure_on_a_tiny_range_gives_a_valid_profile_quickly(tmp_path, capsys)
     assert all(p.seconds > 0 for p in one.decode)
     assert profile.transfer_gbps > 0 and profile.kv_bytes_per_token == 30 * 2 * 3 * 64 * 4
     assert "1x colocated" in capsys.readouterr().out
+
+
+def sweep_with(goodputs: dict[str, float]) -> dict[str, object]:
+    """A goodput.json with one preset and one rate, each configuration's goodput given."""
+    rows = {name: {"1": {"goodput": g}} for name, g in goodputs.items()}
+    result = {"slos_ms": {"ttft": 800.0, "tpot": 200.0}, "rows": rows}
+    return {"config": {"input_scale": 0.25, "output_scale": 0.1}, "presets": {"chatbot": result}}
+
+
+@pytest.mark.parametrize(
+    ("goodputs", "exit_code"),
+    [
+        ({"disagg": 1.0, "2xcoloc": 2.0, "1xcoloc": 2.0}, 0),
+        ({"disagg": 2.0, "2xcoloc": 1.0, "1xcoloc": 1.0}, 1),
+    ],
+)
+def test_plan_check_scores_the_recommendation_against_the_sweep(
+    tmp_path, capsys, goodputs, exit_code
+):  # type: ignore[no-untyped-def]
+    """benchmarks/plan_check.py: the synthetic profile recommends a colocated deployment for a
+    decode-heavy chatbot; it passes when that one has the best goodput, fails when disagg does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import plan_check
+
+    sweep, profile = tmp_path / "goodput.json", tmp_path / "profile.json"
+    sweep.write_text(json.dumps(sweep_with(goodputs)))
+    PROFILE.save(profile)
+    code = plan_check.main(["--sweep", str(sweep), "--profile", str(profile), "--shared-cores"])
+    out = capsys.readouterr().out
+    assert "chatbot" in out and "2xcoloc" in out
+    assert code == exit_code, out
