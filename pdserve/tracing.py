@@ -168,6 +168,15 @@ def context_from_grpc(metadata: Iterable[tuple[str, str | bytes]] | None) -> Con
     return _PROPAGATOR.extract(carrier) if carrier else None
 
 
+def start_grpc_server_span(
+    name: str, metadata: Iterable[tuple[str, str | bytes]] | None, attributes: dict[str, Any]
+) -> Span:
+    """A worker's span for one gRPC call, continuing the caller's trace from its metadata."""
+    return TRACER.start_span(
+        name, context=context_from_grpc(metadata), kind=SpanKind.SERVER, attributes=attributes
+    )
+
+
 def context_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
     """A client's trace context from ASGI headers (None: the request carries none)."""
     carrier = {

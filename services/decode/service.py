@@ -88,11 +88,10 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateChunk]:
-        span = tracing.TRACER.start_span(
+        span = tracing.start_grpc_server_span(
             "decode",
-            context=tracing.context_from_grpc(context.invocation_metadata()),
-            kind=SpanKind.SERVER,
-            attributes={
+            context.invocation_metadata(),
+            {
                 "pdserve.request_id": request.request_id,
                 "pdserve.prompt_tokens": len(request.prompt_token_ids),
             },

@@ -17,7 +17,7 @@ import logging
 import time
 
 import grpc
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import Span
 
 from kvtransfer.base import KVLayout, block_checksums
 from kvtransfer.source import TensorBlockSource
@@ -64,11 +64,10 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
-        span = tracing.TRACER.start_span(
+        span = tracing.start_grpc_server_span(
             "prefill",
-            context=tracing.context_from_grpc(context.invocation_metadata()),
-            kind=SpanKind.SERVER,
-            attributes={
+            context.invocation_metadata(),
+            {
                 "pdserve.request_id": request.request_id,
                 "pdserve.prompt_tokens": len(request.token_ids),
             },

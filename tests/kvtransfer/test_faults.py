@@ -87,7 +87,14 @@ def _faults_for(transport: str) -> KVFaults:
 def _transports() -> list[object]:
     found = available_transports()
     return [
-        pytest.param(name, marks=pytest.mark.skipif(name not in found, reason=f"no {name} here"))
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name not in found,
+                reason=f"the {name} KV transport cannot run on this machine "
+                "(not in kvtransfer.available_transports())",
+            ),
+        )
         for name in ("tcp", "torch", "ucx", "shm")
     ]
 
