@@ -48,6 +48,14 @@ RUN set -eux; \
     pip install --upgrade pip; \
     useradd --create-home --uid 10001 --gid 0 --shell /usr/sbin/nologin pdserve
 
+# A C compiler: pdserve builds its CPU decode-attention kernel for the host's CPU at first start
+# (kernels/cpu_ops.py, about a second, cached in PDSERVE_CACHE_DIR); without one it falls back to
+# the slower PyTorch path.
+RUN set -eux; \
+    apt-get update; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
+    rm -rf /var/lib/apt/lists/*
+
 # torch first and pinned, from the CPU index by default (the PyPI default wheel is the CUDA one,
 # several GiB); its own layer, so code changes do not download it again.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"

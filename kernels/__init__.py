@@ -1,8 +1,9 @@
 """Attention over the paged KV cache and the KV-cache write, dispatched by device.
 
-CPU tensors take the vectorized PyTorch reference (``kernels.reference``); CUDA tensors take the
-Triton kernels (``kernels.triton_ops``). ``backend="reference"|"triton"`` forces one (tests run the
-Triton kernels on CPU under ``TRITON_INTERPRET=1``).
+CPU tensors take ``kernels.cpu_ops`` (decode attention compiled from C at first use; the rest,
+and any machine without a C compiler, the vectorized PyTorch reference ``kernels.reference``);
+CUDA tensors take the Triton kernels (``kernels.triton_ops``). ``backend="reference"``, ``"cpu"``
+or ``"triton"`` forces one (tests run the Triton kernels on CPU under ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -11,19 +12,21 @@ from types import ModuleType
 
 import torch
 
-from kernels import reference
+from kernels import cpu_ops, reference
 
 
 def _backend(tensor: torch.Tensor, backend: str | None) -> ModuleType:
     if backend is None:
-        backend = "triton" if tensor.is_cuda else "reference"
+        backend = "triton" if tensor.is_cuda else "cpu"
     if backend == "reference":
         return reference
+    if backend == "cpu":
+        return cpu_ops
     if backend == "triton":
         from kernels import triton_ops  # imported lazily: triton is optional on CPU hosts
 
         return triton_ops
-    raise ValueError(f"unknown kernel backend {backend!r} (use 'reference' or 'triton')")
+    raise ValueError(f"unknown kernel backend {backend!r} (use 'reference', 'cpu' or 'triton')")
 
 
 def write_kv(

