@@ -1,0 +1,153 @@
+"""The CPU fast path, part by part: each piece against what it replaced, side by side in one run.
+
+1. GEMMs: the default model's four per-layer linear layers (qkv 576->960, o 576->576, gate_up
+   576->3072, down 1536->576), all 30 layers' worth, for M rows (the decode batch): ``F.linear``
+   (MKL, what ``nn.Linear`` does) vs ``PackedLinear`` (oneDNN, weights reordered once).
+2. Decode attention over a whole step: every layer of a paged cache laid out as the engine's
+   (``[blocks, layers, 2, kv_heads, block, head_dim]``, shuffled blocks, about 1 GiB so it lives
+   in DRAM as in a server) for B sequences of context C: the PyTorch reference (gather +
+   per-block matmuls) vs the compiled kernel (``kernels.cpu_ops``, blocks read in place).
+
+Medians of --repeats timed runs after one warm-up, with --threads torch threads.
+
+    python benchmarks/cpu_kernels.py
+    python benchmarks/cpu_kernels.py --rows 1,64 --batches 64 --contexts 256 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
+from torch import nn
+from tqdm import tqdm
+
+from kernels import cpu_ops, reference
+from services.engine.config import default_num_threads
+from services.engine.model.packed_linear import PackedLinear
+
+LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+LINEAR_SHAPES = [
+    (HIDDEN, 960),
+    (HIDDEN, HIDDEN),
+    (HIDDEN, 2 * INTERMEDIATE),
+    (INTERMEDIATE, HIDDEN),
+]
+CACHE_BYTES = 1 << 30
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def _forward(inputs: list[torch.Tensor], layers: list[Callable[..., torch.Tensor]]) -> None:
+    for x, layer in zip(inputs, layers):
+        layer(x)
+
+
+def _step(op: Callable[..., torch.Tensor], caches: list, *args: object) -> list[torch.Tensor]:
+    """``op`` over every layer's caches: one decode step's attention."""
+    query, tables, lens, scale = args
+    return [op(query, k, v, tables, lens, scale) for k, v in caches]
+
+
+def gemm_rows(rows: list[int], repeats: int) -> list[tuple[int, float, float]]:
+    """(M, F.linear ms, PackedLinear ms) for one forward's worth of linear layers."""
+    layers = [nn.Linear(i, o, bias=False) for _ in range(LAYERS) for i, o in LINEAR_SHAPES]
+    packed = [PackedLinear(layer) for layer in layers]
+    results = []
+    for m in tqdm(rows, desc="GEMM", unit="M", file=sys.stderr):
+        inputs = [torch.randn(m, layer.in_features) for layer in layers]
+        plain = partial(_forward, inputs, [partial(F.linear, weight=x.weight) for x in layers])
+        onednn = partial(_forward, inputs, packed)
+        results.append((m, median_ms(plain, repeats), median_ms(onednn, repeats)))
+    return results
+
+
+def attention_rows(
+    batches: list[int], contexts: list[int], repeats: int
+) -> list[tuple[int, int, float, float, float]]:
+    """(B, C, reference ms, kernel ms, max abs difference) for one step (all layers)."""
+    block_bytes = LAYERS * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * 4
+    num_blocks = CACHE_BYTES // block_bytes
+    kv = torch.randn(num_blocks, LAYERS, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    caches = [(kv[:, i, 0].transpose(1, 2), kv[:, i, 1].transpose(1, 2)) for i in range(LAYERS)]
+    scale = HEAD_DIM**-0.5
+    pairs = [(b, c) for b in batches for c in contexts]
+    results = []
+    for batch, context in tqdm(pairs, desc="attention", unit="shape", file=sys.stderr):
+        per_seq = -(-context // BLOCK_SIZE)
+        if batch * per_seq > num_blocks:
+            tqdm.write(
+                f"B={batch} C={context}: skipped, needs more than the {num_blocks}-block cache"
+            )
+            continue
+        tables = torch.randperm(num_blocks)[: batch * per_seq].view(batch, per_seq).int()
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        query = torch.randn(batch, NUM_HEADS, HEAD_DIM)
+
+        ref = partial(_step, reference.paged_attention_decode, caches, query, tables, lens, scale)
+        kernel = partial(_step, cpu_ops.paged_attention_decode, caches, query, tables, lens, scale)
+        diff = max(float((a - b).abs().max()) for a, b in zip(ref(), kernel()))
+        ref_ms, kernel_ms = median_ms(ref, repeats), median_ms(kernel, repeats)
+        results.append((batch, context, ref_ms, kernel_ms, diff))
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,2,3,4,8,16,32,64", help="GEMM row counts M")
+    parser.add_argument("--batches", default="1,16,64", help="decode batch sizes B")
+    parser.add_argument("--contexts", default="64,256,1024", help="context lengths C (tokens)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=default_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    info = machine_info(args.threads)
+    print(f"$ python {shlex.join(sys.argv)}")
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
+        f"({args.threads} threads), load avg {info['load_avg_1m_at_start']}"
+    )
+    if cpu_ops.load() is None:
+        print("the compiled kernel is unavailable here (no C compiler?): nothing to compare")
+        return 1
+    ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
+
+    print(f"\nGEMM: {LAYERS} layers x 4 linear layers of the default model, M rows, float32")
+    print(f"{'M':>4} {'F.linear ms':>12} {'oneDNN ms':>10} {'speedup':>8}")
+    with torch.inference_mode():
+        for m, plain, onednn in gemm_rows(ints(args.rows), args.repeats):
+            print(f"{m:>4} {plain:>12.1f} {onednn:>10.1f} {plain / onednn:>7.2f}x")
+
+    print(
+        f"\ndecode attention: one step = {LAYERS} layers, {NUM_HEADS}/{NUM_KV_HEADS} heads, "
+        f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, shuffled blocks of a 1 GiB cache, float32"
+    )
+    header = ("B", 4), ("C", 6), ("reference ms", 13), ("kernel ms", 10), ("speedup", 8)
+    print(" ".join(f"{name:>{width}}" for name, width in header), f"{'max |diff|':>11}")
+    with torch.inference_mode():
+        rows = attention_rows(ints(args.batches), ints(args.contexts), args.repeats)
+    for b, c, ref_ms, kernel_ms, diff in rows:
+        speedup = ref_ms / kernel_ms
+        print(f"{b:>4} {c:>6} {ref_ms:>13.1f} {kernel_ms:>10.1f} {speedup:>7.2f}x {diff:>11.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
