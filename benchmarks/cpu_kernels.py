@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
+from machine import (  # benchmarks/machine.py (this folder is on sys.path)
+    machine_info,
+    median_seconds,
+)
 from torch import nn
 from tqdm import tqdm
 
@@ -46,13 +47,7 @@ CACHE_BYTES = 1 << 30
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * median_seconds(fn, repeats)
 
 
 def _forward(inputs: list[torch.Tensor], layers: list[Callable[..., torch.Tensor]]) -> None:

@@ -35,23 +35,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from machine import median_seconds  # noqa: E402  (benchmarks/machine.py)
+
 from kvtransfer import KVLayout, available_transports, make_client  # noqa: E402
 from kvtransfer.base import tensor_bytes  # noqa: E402
 from kvtransfer.testing import ServerProcess, ServerSpec, make_kv_cache  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def block_sets(tokens: list[int], num_blocks: int, seed: int) -> dict[int, list[int]]:

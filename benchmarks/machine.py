@@ -1,9 +1,13 @@
-"""What a benchmark prints and saves about the machine it ran on (shared by the scripts here)."""
+"""What a benchmark prints and saves about the machine it ran on, and how it times a call
+(shared by the scripts here)."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,3 +38,15 @@ def machine_info(threads: int, **extra: Any) -> dict[str, Any]:
         "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
         **extra,
     }
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
