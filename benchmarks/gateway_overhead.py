@@ -214,8 +214,8 @@ class Direct:
     """The router's work done by the client itself: Prefill, then Generate, over grpc.aio."""
 
     def __init__(self, addresses: dict[str, str], prompt_ids: list[int], max_tokens: int):
-        from services.engine.sampling_params import SamplingParams
-        from services.worker.convert import params_to_proto
+        from common.sampling_params import SamplingParams
+        from common.wire import params_to_proto
 
         self.channels = [
             grpc.aio.insecure_channel(addresses[role], options=GRPC_OPTIONS)

@@ -39,7 +39,7 @@ from machine import median_seconds  # noqa: E402  (benchmarks/machine.py)
 
 from kvtransfer import KVLayout, available_transports, make_client  # noqa: E402
 from kvtransfer.base import tensor_bytes  # noqa: E402
-from kvtransfer.testing import ServerProcess, ServerSpec, make_kv_cache  # noqa: E402
+from kvtransfer.server_process import ServerProcess, ServerSpec, make_kv_cache  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -132,8 +132,8 @@ def print_table(rows: list[dict[str, Any]], transports: list[str]) -> None:
 def time_prefill(tokens: list[int], threads: int) -> dict[int, float]:
     """Seconds the default model takes to prefill each prompt length (one request, cold cache):
     the compute part of TTFT that a transfer of the same prompt's KV adds to."""
+    from common.sampling_params import SamplingParams
     from services.engine.llm import LLM
-    from services.engine.sampling_params import SamplingParams
 
     llm = LLM(num_blocks=max(tokens) // 16 + 8, num_threads=threads, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=1)

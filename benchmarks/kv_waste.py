@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.sampling_params import SamplingParams  # noqa: E402
 from services.engine.block_pool import BlockPool  # noqa: E402
-from services.engine.sampling_params import SamplingParams  # noqa: E402
 from services.engine.sequence import Sequence  # noqa: E402
 
 # SmolLM2-135M: 30 layers x (K and V) x 3 KV heads x 64 dims x 4 bytes (float32).

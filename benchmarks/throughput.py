@@ -185,7 +185,7 @@ def load_hf(model: str | None) -> tuple[Any, Any]:
     """transformers' tokenizer and model for the same weights pdserve loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.engine.model.loader import default_model_path
+    from services.engine.model.source import default_model_path
 
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.is_file():  # a GGUF file: transformers dequantizes it itself

@@ -37,7 +37,7 @@ from kvtransfer.base import (
     verify_checksums,
 )
 from kvtransfer.faults import KVFaults
-from kvtransfer.metrics import TransferMetrics, get_metrics
+from kvtransfer.metrics import TransferMetrics
 from kvtransfer.source import TensorBlockSource
 
 TRANSPORTS = ("ucx", "torch", "tcp", "shm")
@@ -61,7 +61,6 @@ __all__ = [
     "available_transports",
     "block_checksums",
     "default_transport",
-    "get_metrics",
     "make_client",
     "make_server",
     "verify_checksums",

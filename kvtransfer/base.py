@@ -33,13 +33,15 @@ import hmac
 import math
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from kvtransfer.faults import KVFaults
-from kvtransfer.metrics import TransferMetrics, get_metrics
+from kvtransfer.metrics import TransferMetrics
 
 FAILURE_REASONS = (
     "refused",
@@ -145,9 +147,18 @@ class BlockRowSource(BlockSource, Protocol):
     def block_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
         """Contiguous views of the pinned rows, covering ``block_ids`` in order.
 
-        Consecutive ids may share one view (``kv_cache[a:b]``). Valid while the blocks stay
-        pinned; raises ``KeyError`` like :meth:`BlockSource.read_blocks`.
+        Consecutive ids may share one view (``kv_cache[a:b]``). Read them only inside
+        :meth:`reading`; raises ``KeyError`` like :meth:`BlockSource.read_blocks`.
         """
+        ...
+
+    def reading(self, request_id: str, block_ids: list[int]) -> AbstractContextManager[None]:
+        """Hold the blocks while a transfer reads them: a release or a lease expiry meanwhile
+        takes effect when the transfer is done (``KeyError`` if they are not pinned)."""
+        ...
+
+    def copy_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of blocks the caller holds (inside :meth:`reading`), without checks."""
         ...
 
 
@@ -182,7 +193,7 @@ class _Endpoint:
 
     def __init__(self, metrics: TransferMetrics | None):
         self.stats = TransferStats()
-        self.metrics = metrics or get_metrics()
+        self.metrics = metrics or TransferMetrics()
 
     def _record_ok(self, num_bytes: int, seconds: float, direction: str) -> None:
         self.stats.record_ok(num_bytes, seconds)
@@ -235,19 +246,19 @@ class KVTransferServer(_Endpoint, abc.ABC):
             self._record_failure("refused")
             raise TransferError("refused", "cluster token mismatch")
 
-    def read_blocks(
-        self, request_id: str, block_ids: list[int], bytes_per_block: int
-    ) -> torch.Tensor:
-        """Check the client's block size, renew the lease, gather the blocks (contiguous).
+    def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of the blocks; call it inside :meth:`holding` (which checked the
+        block size and the lease, and holds the blocks: a source that lends rows is copied
+        from without further checks, even if the lease ran out meanwhile).
 
-        Raises TransferError (size_mismatch | unknown_request | internal), counted. Blocking:
-        transports call it from a worker thread for large transfers.
+        Raises TransferError (unknown_request | internal), counted. Blocking: transports call
+        it from a worker thread for large transfers.
         """
-        self._check_size(bytes_per_block)
         try:
-            if not self.source.renew_lease(request_id):
-                raise KeyError(request_id)
-            blocks = self.source.read_blocks(request_id, block_ids)
+            if isinstance(self.source, BlockRowSource):
+                blocks = self.source.copy_blocks(block_ids)
+            else:
+                blocks = self.source.read_blocks(request_id, block_ids)
         except KeyError as exc:
             raise self._unknown(request_id) from exc
         if tuple(blocks.shape) != (len(block_ids), *self.layout.block_shape):
@@ -255,17 +266,32 @@ class KVTransferServer(_Endpoint, abc.ABC):
             raise TransferError("internal", f"source returned shape {tuple(blocks.shape)}")
         return blocks.contiguous()
 
-    def block_rows(
+    @contextmanager
+    def holding(
         self, request_id: str, block_ids: list[int], bytes_per_block: int
-    ) -> list[torch.Tensor] | None:
-        """Like :meth:`read_blocks` but zero-copy views of host memory when the source lends
-        them (:class:`BlockRowSource`); None when it cannot (then use :meth:`read_blocks`)."""
+    ) -> Iterator[None]:
+        """Check the client's block size, renew the lease and hold the blocks until the
+        ``with`` ends (a release or a lease expiry meanwhile waits for it; sources that cannot
+        hold blocks, :class:`BlockSource` only, are read copy by copy). TransferError, counted.
+        """
+        self._check_size(bytes_per_block)
+        with ExitStack() as held:
+            try:
+                if not self.source.renew_lease(request_id):
+                    raise KeyError(request_id)
+                if isinstance(self.source, BlockRowSource):
+                    held.enter_context(self.source.reading(request_id, block_ids))
+            except KeyError as exc:
+                raise self._unknown(request_id) from exc
+            yield
+
+    def lent_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor] | None:
+        """Zero-copy views of host memory, when the source lends them (:class:`BlockRowSource`);
+        None when it cannot (then use :meth:`read_blocks`). Call it, and send the rows, inside
+        :meth:`holding`."""
         if not isinstance(self.source, BlockRowSource):
             return None
-        self._check_size(bytes_per_block)
         try:
-            if not self.source.renew_lease(request_id):
-                raise KeyError(request_id)
             rows = self.source.block_rows(request_id, block_ids)
         except KeyError as exc:
             raise self._unknown(request_id) from exc
@@ -289,6 +315,11 @@ class KVTransferServer(_Endpoint, abc.ABC):
     def record_sent(self, num_bytes: int, seconds: float) -> None:
         """Transports call this once every byte of a pull has been handed to the wire."""
         self._record_ok(num_bytes, seconds, "sent")
+
+    async def pause_mid_transfer(self) -> None:
+        """Testing only (``pause=`` fault): stop here for a while, the blocks held."""
+        if self.faults is not None:
+            await self.faults.pause_mid_transfer()
 
     def draw_fault(self) -> str | None:
         """The fault to inject into this pull ("drop", "corrupt" or None: faults off), counted
@@ -341,19 +372,20 @@ class KVTransferClient(_Endpoint, abc.ABC):
             pulling = self._pull_into(address, request_id, block_ids, out, timeout)
             await asyncio.wait_for(pulling, timeout)
         except TransferError as exc:
-            self._fail(request_id, exc.reason)
+            self._record_failure(exc.reason)
             raise
         except (asyncio.TimeoutError, TimeoutError) as exc:
-            self._fail(request_id, "timeout")
+            self._record_failure("timeout")
             detail = f"no complete answer from {address} in {timeout}s"
             raise TransferError("timeout", detail) from exc
         except (ConnectionError, EOFError, OSError) as exc:
-            self._fail(request_id, "connection_lost")
+            self._record_failure("connection_lost")
             raise TransferError("connection_lost", f"{address}: {exc!r}") from exc
         except Exception as exc:  # a bug or an unexpected library error: still a TransferError
-            self._fail(request_id, "internal")
+            self._record_failure("internal")
             raise TransferError("internal", f"{address}: {exc!r}") from exc
-        self.states.pop(request_id, None)
+        finally:  # done, failed or cancelled: it is no longer in flight
+            self.states.pop(request_id, None)
         self._record_ok(out.numel() * out.element_size(), time.perf_counter() - start, "received")
         return out
 
@@ -384,10 +416,6 @@ class KVTransferClient(_Endpoint, abc.ABC):
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
         return out
-
-    def _fail(self, request_id: str, reason: str) -> None:
-        self.states.pop(request_id, None)
-        self._record_failure(reason)
 
     def _mark_transferring(self, request_id: str) -> None:
         """Transports call this once the server has accepted the request."""

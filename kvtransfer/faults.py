@@ -10,6 +10,9 @@ one of:
   (at pin time), so the decode side's checksum verification must catch it;
 - nothing, with the remaining probability.
 
+``pause=SECONDS`` (not drawn: every pull) makes the server stop that long in the middle of each
+transfer while it holds the blocks: tests use it to let a lease run out mid-transfer.
+
 Either way the decode worker recomputes the prompt (or fails the request, by its flag): the
 point is to show that it does, and that no block leaks on either side. Where each transport
 injects (what it can, and what it cannot):
@@ -34,6 +37,7 @@ Injected faults are counted per kind in the server's ``stats.injected`` and in
 
 from __future__ import annotations
 
+import asyncio
 import random
 from dataclasses import dataclass, field
 
@@ -48,6 +52,7 @@ class KVFaults:
 
     drop: float = 0.0
     corrupt: float = 0.0
+    pause: float = 0.0  # seconds every served pull stops mid-transfer, holding its blocks
     seed: int | None = None
     _rng: random.Random = field(init=False, repr=False, compare=False)
 
@@ -70,7 +75,7 @@ class KVFaults:
             if not item:
                 continue
             name, sep, text = item.partition("=")
-            if not sep or name not in (*FAULT_KINDS, "seed"):
+            if not sep or name not in (*FAULT_KINDS, "pause", "seed"):
                 raise ValueError(
                     f"kv faults: cannot read {item!r}; expected e.g. 'drop=0.1,corrupt=0.05,seed=1'"
                 )
@@ -84,6 +89,10 @@ class KVFaults:
         if not any(values.values()):
             return None
         return cls(seed=seed, **values)
+
+    async def pause_mid_transfer(self) -> None:
+        if self.pause > 0:
+            await asyncio.sleep(self.pause)
 
     def draw(self) -> str | None:
         """The fault to inject into the pull being served: "drop", "corrupt" or None."""

@@ -12,7 +12,10 @@ JSON), followed for the tcp transport by ``payload_len`` raw bytes::
     magic "PDKV" | version u8 | status u8 | msg_len u16 | payload_len u64 | message
 
 Anything malformed raises :class:`ProtocolError`; a server answers it with a ``protocol``
-error reply and closes that connection (other connections are unaffected).
+error reply and closes that connection (other connections are unaffected). A server reads the
+token before the rest of a request and checks it first, so a peer without it cannot make the
+server allocate a request body; it closes a connection that sends no complete request within
+``IDLE_SECONDS``, and accepts at most ``MAX_CONNECTIONS`` at once.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ MAGIC = b"PDKV"
 VERSION = 1
 OP_PULL = 1
 OP_CONNECT = 2  # torch transport: set up the pair's process group
+OP_DONE = 3  # shm transport: the client has copied the blocks; the server may let them go
 REQUEST_HEADER = struct.Struct("!4sBBHHIQ")
 REPLY_HEADER = struct.Struct("!4sBBHQ")
 MAX_TOKEN_LEN = 4096
@@ -42,6 +46,8 @@ MAX_ID_LEN = 1024
 MAX_BLOCKS = 1 << 20
 MAX_MESSAGE_LEN = 8192
 SOCKET_BUFFER_BYTES = 4 << 20
+IDLE_SECONDS = 60.0  # a connection that sends no complete request for this long is closed
+MAX_CONNECTIONS = 256  # connections one server holds at once; more are closed at accept
 
 STATUS_OK = 0
 STATUS_REASONS = {
@@ -126,7 +132,7 @@ def parse_request_header(header: bytes) -> RequestHeader:
     magic, version, op, token_len, id_len, num_blocks, bytes_per_block = REQUEST_HEADER.unpack(
         header
     )
-    if magic != MAGIC or version != VERSION or op not in (OP_PULL, OP_CONNECT):
+    if magic != MAGIC or version != VERSION or op not in (OP_PULL, OP_CONNECT, OP_DONE):
         raise ProtocolError(f"bad header magic={magic!r} version={version} op={op}")
     if token_len > MAX_TOKEN_LEN or id_len > MAX_ID_LEN or num_blocks > MAX_BLOCKS:
         raise ProtocolError(f"oversized frame: token {token_len}, id {id_len}, {num_blocks} ids")
@@ -149,6 +155,12 @@ def parse_request_body(header: RequestHeader, body: bytes) -> Request:
     return Request(header.op, token, request_id, block_ids, header.bytes_per_block)
 
 
+def request_head_len(frame: bytes) -> int:
+    """Bytes of a request frame's fixed header and token: what a server reads and checks
+    before the rest (message transports send the two parts as two messages)."""
+    return REQUEST_HEADER.size + REQUEST_HEADER.unpack_from(frame)[3]
+
+
 def parse_request(frame: bytes) -> Request:
     """Decode a whole request frame held in memory (message transports)."""
     if len(frame) < REQUEST_HEADER.size:
@@ -168,10 +180,28 @@ def parse_reply(frame: bytes) -> tuple[int, str, int]:
     return status, message, payload_len
 
 
-async def read_request(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> Request:
-    """Read and validate one request frame (ProtocolError if malformed)."""
+async def read_request(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    check_token: Callable[[str], None] | None = None,
+    timeout: float | None = IDLE_SECONDS,
+) -> Request:
+    """Read and validate one request frame (ProtocolError if malformed); ``check_token`` sees
+    the token before the rest is read. TimeoutError when no whole frame comes in ``timeout``."""
+    return await asyncio.wait_for(_read_request(loop, sock, check_token), timeout)
+
+
+async def _read_request(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    check_token: Callable[[str], None] | None,
+) -> Request:
     header = parse_request_header(await recv_exactly(loop, sock, REQUEST_HEADER.size))
-    return parse_request_body(header, await recv_exactly(loop, sock, header.body_len))
+    token = await recv_exactly(loop, sock, header.token_len)
+    if check_token is not None:
+        check_token(token.decode(errors="replace"))
+    rest = await recv_exactly(loop, sock, header.body_len - header.token_len)
+    return parse_request_body(header, token + rest)
 
 
 async def read_reply(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> tuple[int, str, int]:
@@ -208,10 +238,17 @@ class SocketListener:
     listening socket and cancels the connection tasks (which close their sockets).
     """
 
-    def __init__(self, handler: Callable[[socket.socket], Awaitable[None]]):
+    def __init__(
+        self,
+        handler: Callable[[socket.socket], Awaitable[None]],
+        max_connections: int = MAX_CONNECTIONS,
+    ):
         self._handler = handler
+        self.max_connections = max_connections
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.num_connections = 0
+        self.num_refused = 0  # connections closed at accept: the server held its maximum
 
     def start(self, host: str) -> int:
         """Listen on ``host`` (port 0: the kernel picks) and return the port."""
@@ -242,15 +279,23 @@ class SocketListener:
                 conn, _ = await loop.sock_accept(sock)
             except OSError:  # listening socket closed by stop()
                 return
+            if self.num_connections >= self.max_connections:
+                self.num_refused += 1
+                conn.close()
+                continue
             tune_socket(conn)
             self._spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
+        self.num_connections += 1
         try:
             await self._handler(conn)
         except (ConnectionError, OSError):
             pass  # the peer went away; nothing to answer
+        except asyncio.TimeoutError:
+            pass  # idle too long: closed
         except Exception:
             logger.exception("KV transfer connection handler failed")
         finally:
+            self.num_connections -= 1
             conn.close()

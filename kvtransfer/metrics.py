@@ -1,8 +1,6 @@
-"""Prometheus metrics of KV transfers, safe to share between many servers and clients.
-
-The metric objects are created once per ``CollectorRegistry`` (the default registry unless one
-is passed) and cached, so building a second server or client in the same process reuses them
-instead of failing with "Duplicated timeseries":
+"""Prometheus metrics of KV transfers: one ``TransferMetrics`` per registry, shared by every
+server and client of a process (a worker makes one on its own registry and hands it to its
+transport). An endpoint built without one counts into a private registry of its own.
 
 - ``pdserve_kv_transfer_bytes_total{transport, direction}`` (direction: sent | received)
 - ``pdserve_kv_transfer_seconds{transport}`` (histogram of completed transfers)
@@ -13,23 +11,43 @@ instead of failing with "Duplicated timeseries":
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 # 100 us .. ~100 s: a 16-token pull on loopback is well under a millisecond.
 SECONDS_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
 
 
-@dataclass(frozen=True)
 class TransferMetrics:
-    """The KV transfer metrics registered in one registry."""
+    """The KV transfer metrics, registered in ``registry`` (a new private one if None)."""
 
-    bytes_total: Counter
-    seconds: Histogram
-    failures_total: Counter
-    faults_total: Counter
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.bytes_total = Counter(
+            "pdserve_kv_transfer_bytes",
+            "KV cache bytes moved by the KV transfer layer",
+            ["transport", "direction"],
+            registry=r,
+        )
+        self.seconds = Histogram(
+            "pdserve_kv_transfer_seconds",
+            "Wall time of completed KV transfers",
+            ["transport"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.failures_total = Counter(
+            "pdserve_kv_transfer_failures",
+            "KV transfers that failed or were refused, by reason",
+            ["transport", "reason"],
+            registry=r,
+        )
+        self.faults_total = Counter(
+            "pdserve_kv_transfer_faults_injected",
+            "Faults injected on purpose into served KV pulls (--kv-faults; testing only)",
+            ["transport", "kind"],
+            registry=r,
+        )
 
     def observe(self, transport: str, direction: str, num_bytes: int, seconds: float) -> None:
         """Count one completed transfer."""
@@ -43,45 +61,3 @@ class TransferMetrics:
     def inject(self, transport: str, kind: str) -> None:
         """Count one fault injected on purpose (kvtransfer.faults)."""
         self.faults_total.labels(transport=transport, kind=kind).inc()
-
-
-_lock = threading.Lock()
-_by_registry: dict[int, tuple[CollectorRegistry, TransferMetrics]] = {}
-
-
-def get_metrics(registry: CollectorRegistry | None = None) -> TransferMetrics:
-    """The metrics of ``registry`` (default: the global one), created on first use."""
-    registry = REGISTRY if registry is None else registry
-    with _lock:
-        cached = _by_registry.get(id(registry))
-        if cached is not None and cached[0] is registry:
-            return cached[1]
-        metrics = TransferMetrics(
-            bytes_total=Counter(
-                "pdserve_kv_transfer_bytes",
-                "KV cache bytes moved by the KV transfer layer.",
-                ["transport", "direction"],
-                registry=registry,
-            ),
-            seconds=Histogram(
-                "pdserve_kv_transfer_seconds",
-                "Wall time of completed KV transfers.",
-                ["transport"],
-                buckets=SECONDS_BUCKETS,
-                registry=registry,
-            ),
-            failures_total=Counter(
-                "pdserve_kv_transfer_failures",
-                "KV transfers that failed or were refused, by reason.",
-                ["transport", "reason"],
-                registry=registry,
-            ),
-            faults_total=Counter(
-                "pdserve_kv_transfer_faults_injected",
-                "Faults injected on purpose into served KV pulls (--kv-faults; testing only).",
-                ["transport", "kind"],
-                registry=registry,
-            ),
-        )
-        _by_registry[id(registry)] = (registry, metrics)
-        return metrics

@@ -4,8 +4,10 @@ The prefill worker keeps its KV cache in a shared-memory file (``CacheConfig.sha
 under ``/dev/shm``). A pull is the tcp transport's request/reply on the control connection
 (token check, lease renewal, pinned-block check) with an empty payload; the client then copies
 the rows from its own mapping of that file into the output tensor: one memcpy, no socket bytes.
-The blocks stay pinned until the client itself releases them, so they cannot change under the
-copy, and the decode side verifies their checksums as for any transport.
+The server holds the blocks (a lease expiry or a release waits) from its reply until the client
+says it is done copying (a DONE frame on the same connection, or the connection closing, or
+``DONE_TIMEOUT_SECONDS``), so they cannot be reused under the copy; the decode side verifies
+their checksums as for any transport.
 
 Address: ``shm://HOST:PORT?path=/dev/shm/FILE``. Only for peers on the same host.
 
@@ -20,6 +22,8 @@ import asyncio
 import os
 import time
 import urllib.parse
+from collections import OrderedDict
+from contextlib import ExitStack
 
 import torch
 
@@ -28,6 +32,9 @@ from kvtransfer.base import BlockSource, KVLayout, TransferError, bytes_per_row
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.tcp import TcpKVClient, TcpKVServer, _format_host
+
+DONE_TIMEOUT_SECONDS = 30.0  # longest a server holds blocks for a client's copy
+MAX_MAPPINGS = 16  # prefill workers' KV files a decode worker keeps mapped
 
 
 class ShmKVServer(TcpKVServer):
@@ -66,27 +73,28 @@ class ShmKVServer(TcpKVServer):
         request: framing.Request,  # type: ignore[no-untyped-def]
     ) -> bool:
         start = time.perf_counter()
-        try:
-            if request.op != framing.OP_PULL:
-                self._record_failure("protocol")
-                raise TransferError("protocol", f"op {request.op} is not served by shm")
-            self.check_token(request.token)
-            # Renews the lease and checks every block is pinned for this request.
-            self.read_blocks_checked(request)
-        except TransferError as exc:
-            await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
-            return exc.reason not in ("refused", "protocol")
-        if self.draw_fault() == "drop":  # close without a reply: the client fails at once
-            return False
-        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", 0))
+        args = (request.request_id, request.block_ids, request.bytes_per_block)
+        with ExitStack() as held:
+            try:
+                if request.op != framing.OP_PULL:
+                    self._record_failure("protocol")
+                    raise TransferError("protocol", f"op {request.op} is not served by shm")
+                held.enter_context(self.holding(*args))  # renews the lease, checks the pins
+                if self.lent_rows(request.request_id, request.block_ids) is None:
+                    raise TransferError("internal", "the shm transport needs a source of rows")
+            except TransferError as exc:
+                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                return exc.reason not in ("refused", "protocol")
+            if self.draw_fault() == "drop":  # close without a reply: the client fails at once
+                return False
+            await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", 0))
+            await self.pause_mid_transfer()
+            done = await framing.read_request(loop, conn, timeout=DONE_TIMEOUT_SECONDS)
+            if done.op != framing.OP_DONE:
+                raise framing.ProtocolError(f"expected DONE after a pull, got op {done.op}")
         num_bytes = len(request.block_ids) * self.layout.bytes_per_block
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True
-
-    def read_blocks_checked(self, request: framing.Request) -> None:
-        args = (request.request_id, request.block_ids, request.bytes_per_block)
-        if self.block_rows(*args) is None:
-            raise TransferError("internal", "the shm transport needs a source that lends rows")
 
 
 class ShmKVClient(TcpKVClient):
@@ -98,7 +106,7 @@ class ShmKVClient(TcpKVClient):
         self, token: str | None = None, device: str = "cpu", metrics: TransferMetrics | None = None
     ):
         super().__init__(token, device, metrics)
-        self._mappings: dict[str, torch.Tensor] = {}
+        self._mappings: OrderedDict[str, torch.Tensor] = OrderedDict()  # bounded, LRU
 
     async def _pull_into(
         self, address: str, request_id: str, block_ids: list[int], out: torch.Tensor, timeout: float
@@ -110,22 +118,33 @@ class ShmKVClient(TcpKVClient):
                 framing.OP_PULL, self.token or "", request_id, block_ids, bytes_per_row(out)
             )
         )
-        sock, payload_len = await self._request((host, port), frame)
-        self._release((host, port), sock)
-        if payload_len != 0:
-            raise TransferError("protocol", f"shm server announced {payload_len} payload bytes")
-        self._mark_transferring(request_id)
-        source = self._map(path, out)
-        ids = torch.tensor(block_ids, dtype=torch.long)
-        if max(block_ids, default=0) >= source.shape[0]:
-            raise TransferError("size_mismatch", f"block id beyond the end of {path}")
-        if out.device.type == "cpu":
-            torch.index_select(source, 0, ids, out=out)
-        else:
-            out.copy_(source.index_select(0, ids))
+        sock, payload_len = await self._request((host, port), frame, timeout)
+        try:
+            if payload_len != 0:
+                raise TransferError("protocol", f"shm server announced {payload_len} payload bytes")
+            self._mark_transferring(request_id)
+            source = self._map(path, out)
+            ids = torch.tensor(block_ids, dtype=torch.long)
+            if max(block_ids, default=0) >= source.shape[0]:
+                raise TransferError("size_mismatch", f"block id beyond the end of {path}")
+            if out.device.type == "cpu":
+                torch.index_select(source, 0, ids, out=out)
+            else:
+                out.copy_(source.index_select(0, ids))
+            done = framing.Request(framing.OP_DONE, "", request_id, [], 0)
+            await asyncio.get_running_loop().sock_sendall(sock, framing.encode_request(done))
+        except BaseException:
+            sock.close()  # the server lets the blocks go when it sees the connection close
+            raise
+        self.connections.release((host, port), sock)
 
     def _map(self, path: str, out: torch.Tensor) -> torch.Tensor:
+        """The mapping of ``path`` (kept for the last few peers; one whose file is gone, a
+        prefill worker that stopped, is dropped)."""
         mapping = self._mappings.get(path)
+        if mapping is not None and not os.path.exists(path):
+            del self._mappings[path]
+            mapping = None
         if mapping is None:
             layout_shape = tuple(out.shape[1:])
             size = os.path.getsize(path) if os.path.exists(path) else 0
@@ -136,4 +155,7 @@ class ShmKVClient(TcpKVClient):
             flat = torch.from_file(path, shared=True, size=size // itemsize, dtype=out.dtype)
             mapping = flat.view(-1, *layout_shape)
             self._mappings[path] = mapping
+            while len(self._mappings) > MAX_MAPPINGS:
+                self._mappings.popitem(last=False)
+        self._mappings.move_to_end(path)
         return mapping

@@ -6,16 +6,22 @@ decode worker releases them or when the lease runs out, whichever comes first::
     pin() ──▶ pinned ──renew_lease()──▶ pinned ──release()──▶ gone
                  └────────── lease expired (expire() or next access) ──▶ gone
 
-Thread-safe: the transfer server reads from a worker thread while the engine pins and releases.
-``on_unpin`` (if given) is called with the request id when its blocks stop being pinned, so the
-owner can give them back to its block pool.
+A transfer reads the blocks inside ``reading()``, which counts it as a reader: a release or an
+expiry that comes while a transfer reads only marks the pin as going (no new transfer may start
+on it) and the pin is dropped when its last reader leaves. So the blocks never return to the
+block pool, to be reused by the engine, while bytes are still being copied or sent out of them.
+
+Thread-safe: the transfer server reads from worker threads while the engine pins and releases.
+``on_unpin`` (if given) is called with the request id when its blocks stop being pinned, from
+whichever thread dropped the pin, so the owner can give them back to its block pool.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,8 @@ from kvtransfer.base import block_checksums
 class _Pin:
     block_ids: frozenset[int]
     expires_at: float
+    readers: int = 0  # transfers reading the blocks now
+    going: bool = False  # released or expired while read: dropped when the last reader leaves
 
 
 class TensorBlockSource:
@@ -55,45 +63,100 @@ class TensorBlockSource:
         return block_checksums(self.kv_cache[torch.tensor(block_ids, dtype=torch.long)])
 
     def release(self, request_id: str) -> bool:
-        """Unpin; False if it was not pinned (already released or expired)."""
+        """Unpin (once the transfers reading it are done); False if it was not pinned (already
+        released or expired)."""
         with self._lock:
-            pin = self._pins.pop(request_id, None)
-        if pin is not None and self._on_unpin is not None:
-            self._on_unpin(request_id)
-        return pin is not None
+            pin = self._pins.get(request_id)
+            if pin is None or pin.going:
+                return False
+            dropped = self._drop_locked(request_id, pin)
+        if dropped:
+            self._unpinned(request_id)
+        return True
 
     def expire(self) -> list[str]:
-        """Unpin every request whose lease has run out; returns their ids."""
+        """Unpin every request whose lease has run out (those being read: when their transfers
+        end); returns the ids of those whose lease ran out now."""
         now = self._clock()
+        expired, dropped = [], []
         with self._lock:
-            expired = [rid for rid, pin in self._pins.items() if pin.expires_at <= now]
-        return [rid for rid in expired if self.release(rid)]
+            for rid, pin in list(self._pins.items()):
+                if pin.expires_at <= now and not pin.going:
+                    expired.append(rid)
+                    if self._drop_locked(rid, pin):
+                        dropped.append(rid)
+        for rid in dropped:
+            self._unpinned(rid)
+        return expired
+
+    @contextmanager
+    def reading(self, request_id: str, block_ids: list[int]) -> Iterator[None]:
+        """Hold ``block_ids`` of a pinned request while a transfer reads them (KeyError if they
+        are not pinned for it): neither a release nor an expiry frees them meanwhile."""
+        with self._lock:
+            pin = self._checked(request_id, block_ids)
+            pin.readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                pin.readers -= 1
+                last = pin.going and pin.readers == 0
+                if last:
+                    del self._pins[request_id]
+            if last:
+                self._unpinned(request_id)
 
     def pinned_request_ids(self) -> list[str]:
         with self._lock:
-            return list(self._pins)
+            return [rid for rid, pin in self._pins.items() if not pin.going]
 
     def is_pinned(self, request_id: str) -> bool:
+        """Pinned, lease running, and not on its way out (a new transfer may read it)."""
         with self._lock:
             pin = self._pins.get(request_id)
-            return pin is not None and pin.expires_at > self._clock()
+            return pin is not None and not pin.going and pin.expires_at > self._clock()
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the blocks are still held (pinned, or going but still being read)."""
+        with self._lock:
+            return request_id in self._pins
 
     def renew_lease(self, request_id: str) -> bool:
         with self._lock:
             pin = self._pins.get(request_id)
-            if pin is None or pin.expires_at <= self._clock():
+            if pin is None or pin.going or pin.expires_at <= self._clock():
                 return False
             pin.expires_at = self._clock() + self.lease_seconds
             return True
 
+    def _drop_locked(self, request_id: str, pin: _Pin) -> bool:
+        """Drop the pin now (True) or, while it is read, when its last reader leaves."""
+        if pin.readers:
+            pin.going = True
+            return False
+        del self._pins[request_id]
+        return True
+
+    def _unpinned(self, request_id: str) -> None:
+        if self._on_unpin is not None:
+            self._on_unpin(request_id)
+
     def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
-        self._check_pinned(request_id, block_ids)
+        """A copy of the blocks, taken while holding them (see ``reading``)."""
+        with self.reading(request_id, block_ids):
+            return self.copy_blocks(block_ids)
+
+    def copy_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of blocks the caller holds (inside ``reading``), without checks."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         return torch.index_select(self.kv_cache, 0, ids)
 
     def block_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
-        """Views ``kv_cache[a:b]`` of each run of consecutive ids, in order (no copy)."""
-        self._check_pinned(request_id, block_ids)
+        """Views ``kv_cache[a:b]`` of each run of consecutive ids, in order (no copy): read them
+        only inside ``reading()``."""
+        with self._lock:
+            self._checked(request_id, block_ids)
         rows: list[torch.Tensor] = []
         start = 0
         for i in range(1, len(block_ids) + 1):
@@ -102,10 +165,11 @@ class TensorBlockSource:
                 start = i
         return rows
 
-    def _check_pinned(self, request_id: str, block_ids: list[int]) -> None:
-        with self._lock:
-            pin = self._pins.get(request_id)
-            if pin is None or pin.expires_at <= self._clock():
-                raise KeyError(request_id)
-            if not pin.block_ids.issuperset(block_ids):
-                raise KeyError(f"{request_id}: blocks not pinned for this request")
+    def _checked(self, request_id: str, block_ids: list[int]) -> _Pin:
+        """The pin of ``request_id`` if it covers ``block_ids`` and may be read (hold the lock)."""
+        pin = self._pins.get(request_id)
+        if pin is None or pin.going or pin.expires_at <= self._clock():
+            raise KeyError(request_id)
+        if not pin.block_ids.issuperset(block_ids):
+            raise KeyError(f"{request_id}: blocks not pinned for this request")
+        return pin

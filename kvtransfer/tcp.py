@@ -16,10 +16,11 @@ A failure after the OK reply closes the connection, which the client sees as
 Injected faults (``faults=``, testing only): ``drop`` closes the connection after the OK reply,
 ``corrupt`` sends a copy of the payload with one byte flipped.
 
-Client, per pull: take an idle connection to the address (or connect) -> send the request ->
-read the reply -> receive exactly the announced bytes straight into the preallocated output
-tensor (``sock_recv_into`` on its memoryview). The connection goes back to the pool only after
-a complete pull; on any error or timeout it is closed, so a later pull never reads stale bytes.
+Client, per pull: take an idle connection to the address (or connect; ``ConnectionPool``) ->
+send the request -> read the reply -> receive exactly the announced bytes straight into the
+preallocated output tensor (``sock_recv_into`` on its memoryview). The connection goes back to
+the pool only after a complete pull; on any error or timeout it is closed, so a later pull never
+reads stale bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from contextlib import ExitStack
 
 import torch
 
@@ -40,6 +42,7 @@ from kvtransfer.base import (
     bytes_per_row,
     tensor_bytes,
 )
+from kvtransfer.connection_pool import ConnectionPool
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 
@@ -80,12 +83,15 @@ class TcpKVServer(KVTransferServer):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                request = await framing.read_request(loop, conn)
+                request = await framing.read_request(loop, conn, self.check_token)
             except framing.ProtocolError as exc:
                 self._record_failure("protocol")
                 await loop.sock_sendall(conn, framing.error_reply("protocol", str(exc)))
                 return
-            except (ConnectionError, EOFError):
+            except TransferError as exc:  # refused: the rest of the frame is never read
+                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                return
+            except (ConnectionError, EOFError, asyncio.TimeoutError):
                 return
             if not await self._serve_request(loop, conn, request):
                 return
@@ -93,43 +99,48 @@ class TcpKVServer(KVTransferServer):
     async def _serve_request(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request: framing.Request
     ) -> bool:
-        """Answer one request; False when the connection must be closed."""
+        """Answer one request; False when the connection must be closed. The blocks are held
+        (a lease expiry or a release waits) until the last byte is handed to the socket."""
         start = time.perf_counter()
-        chunks = self._chunks(request.block_ids)
         args = (request.request_id, request.block_ids, request.bytes_per_block)
-        try:
-            if request.op != framing.OP_PULL:
-                self._record_failure("protocol")
-                raise TransferError("protocol", f"op {request.op} is not served by tcp")
-            self.check_token(request.token)
-            rows = self.block_rows(*args) if self.zero_copy else None
-            first = None if rows is not None else await self._gather(request, chunks[0])
-        except TransferError as exc:
-            await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
-            return exc.reason not in ("refused", "protocol")
-        fault = self.draw_fault()
-        if fault == "corrupt":  # a flipped copy: the KV cache itself stays intact
-            assert self.faults is not None
-            if rows is not None:
-                rows = [self.faults.corrupted(torch.cat(rows))]
-            elif first is not None:
-                first = self.faults.corrupted(first)
-        num_bytes = len(request.block_ids) * self.layout.bytes_per_block
-        try:
-            await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
-            if fault == "drop":  # close with no payload: the client fails now, not at its timeout
-                return False
-            if rows is not None:  # straight from the KV cache: the kernel's copy is the only one
-                for row in rows:
-                    await loop.sock_sendall(conn, tensor_bytes(row))
-            else:
-                assert first is not None
-                await self._stream(loop, conn, request, first, chunks[1:])
-        except (ConnectionError, OSError) as exc:
-            self._record_failure("connection_lost")
-            raise ConnectionResetError(f"client went away mid-transfer: {exc!r}") from exc
-        except TransferError as exc:  # e.g. the lease ran out mid-way: counted by read_blocks
-            raise ConnectionResetError(f"aborted mid-transfer: {exc}") from exc
+        with ExitStack() as held:
+            try:
+                if request.op != framing.OP_PULL:
+                    self._record_failure("protocol")
+                    raise TransferError("protocol", f"op {request.op} is not served by tcp")
+                held.enter_context(self.holding(*args))
+                rows = self.lent_rows(*args[:2]) if self.zero_copy else None
+                chunks = self._chunks(request.block_ids)
+                first = None if rows is not None else await self._gather(request, chunks[0])
+            except TransferError as exc:
+                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                return exc.reason not in ("refused", "protocol")
+            fault = self.draw_fault()
+            if fault == "corrupt":  # a flipped copy: the KV cache itself stays intact
+                assert self.faults is not None
+                if rows is not None:
+                    rows = [self.faults.corrupted(torch.cat(rows))]
+                elif first is not None:
+                    first = self.faults.corrupted(first)
+            num_bytes = len(request.block_ids) * self.layout.bytes_per_block
+            try:
+                reply = framing.encode_reply(framing.STATUS_OK, "", num_bytes)
+                await loop.sock_sendall(conn, reply)
+                if fault == "drop":  # close with no payload: the client fails now
+                    return False
+                if rows is not None:  # straight from the KV cache: the kernel's copy only
+                    for i, row in enumerate(rows):
+                        await loop.sock_sendall(conn, tensor_bytes(row))
+                        if i == 0:
+                            await self.pause_mid_transfer()
+                else:
+                    assert first is not None
+                    await self._stream(loop, conn, request, first, chunks[1:])
+            except (ConnectionError, OSError) as exc:
+                self._record_failure("connection_lost")
+                raise ConnectionResetError(f"client went away mid-transfer: {exc!r}") from exc
+            except TransferError as exc:  # e.g. the lease ran out mid-way: counted already
+                raise ConnectionResetError(f"aborted mid-transfer: {exc}") from exc
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True
 
@@ -149,6 +160,7 @@ class TcpKVServer(KVTransferServer):
         rest: list[list[int]],
     ) -> None:
         """Send ``current`` while the next chunk is gathered in a thread, and so on."""
+        await self.pause_mid_transfer()
         for ids in rest:
             gathering = asyncio.ensure_future(self._gather(request, ids))
             try:
@@ -161,7 +173,7 @@ class TcpKVServer(KVTransferServer):
 
     async def _gather(self, request: framing.Request, block_ids: list[int]) -> torch.Tensor:
         """Blocks of ``request`` in host memory (in a worker thread unless small)."""
-        args = (request.request_id, block_ids, request.bytes_per_block)
+        args = (request.request_id, block_ids)
         if len(block_ids) * self.layout.bytes_per_block <= INLINE_GATHER_BYTES:
             return self.read_blocks(*args).cpu()
         return await asyncio.to_thread(lambda: self.read_blocks(*args).cpu())
@@ -180,8 +192,9 @@ class TcpKVClient(KVTransferClient):
         max_idle_per_server: int = 4,
     ):
         super().__init__(token, device, metrics)
-        self.max_idle_per_server = max_idle_per_server
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self.connections: ConnectionPool[socket.socket] = ConnectionPool(
+            _connect, socket.socket.close, max_idle_per_server=max_idle_per_server
+        )
 
     async def _pull_into(
         self,
@@ -201,7 +214,8 @@ class TcpKVClient(KVTransferClient):
                 bytes_per_row(out),
             )
         )
-        sock, payload_len = await self._request((host, port), frame)
+
+        sock, payload_len = await self._request((host, port), frame, timeout)
         try:
             expect_reply_size(payload_len, out)
             self._mark_transferring(request_id)
@@ -209,32 +223,22 @@ class TcpKVClient(KVTransferClient):
         except BaseException:
             sock.close()
             raise
-        self._release((host, port), sock)
+        self.connections.release((host, port), sock)
 
-    async def _request(self, key: tuple[str, int], frame: bytes) -> tuple[socket.socket, int]:
-        """Send ``frame`` and read an OK reply header: (connection, payload length).
+    async def _request(
+        self, key: tuple[str, int], frame: bytes, timeout: float
+    ) -> tuple[socket.socket, int]:
+        """Send ``frame`` on a pooled connection, read an OK reply: (connection, payload len)."""
 
-        A pooled connection the server has since closed is retried once on a fresh one.
-        """
-        loop = asyncio.get_running_loop()
-        for attempt in range(2):
-            sock, reused = await self._acquire(key)
+        async def exchange(sock: socket.socket) -> tuple[int, str, int]:
+            loop = asyncio.get_running_loop()
             try:
                 await loop.sock_sendall(sock, frame)
-                status, message, payload_len = await framing.read_reply(loop, sock)
-            except (ConnectionError, OSError):
-                sock.close()
-                if reused and attempt == 0:
-                    continue
-                raise
-            except BaseException:
-                sock.close()
-                raise
-            if status != framing.STATUS_OK:
-                sock.close()
-                raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
-            return sock, payload_len
-        raise AssertionError("unreachable")
+                return await framing.read_reply(loop, sock)
+            except OSError as exc:  # a pooled socket the server closed meanwhile
+                raise ConnectionResetError(str(exc)) from exc
+
+        return await self.connections.request(key, exchange, timeout)
 
     async def _receive(self, sock: socket.socket, out: torch.Tensor) -> None:
         loop = asyncio.get_running_loop()
@@ -245,32 +249,20 @@ class TcpKVClient(KVTransferClient):
         if host is not out:
             out.copy_(host)
 
-    async def _acquire(self, key: tuple[str, int]) -> tuple[socket.socket, bool]:
-        idle = self._idle.get(key)
-        if idle:
-            return idle.pop(), True
-        family = socket.AF_INET6 if ":" in key[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            framing.tune_socket(sock)
-            await asyncio.get_running_loop().sock_connect(sock, key)
-        except BaseException:
-            sock.close()
-            raise
-        return sock, False
-
-    def _release(self, key: tuple[str, int], sock: socket.socket) -> None:
-        idle = self._idle.setdefault(key, [])
-        if len(idle) < self.max_idle_per_server:
-            idle.append(sock)
-        else:
-            sock.close()
-
     async def close(self) -> None:
-        for idle in self._idle.values():
-            for sock in idle:
-                sock.close()
-        self._idle.clear()
+        self.connections.close_all()
+
+
+async def _connect(key: tuple[str, int], timeout: float) -> socket.socket:
+    family = socket.AF_INET6 if ":" in key[0] else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        framing.tune_socket(sock)
+        await asyncio.get_running_loop().sock_connect(sock, key)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def expect_reply_size(payload_len: int, out: torch.Tensor) -> None:

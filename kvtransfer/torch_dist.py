@@ -132,8 +132,9 @@ class TorchKVServer(KVTransferServer):
         group: Group | None = None
         while True:
             try:
-                request = await framing.read_request(loop, conn)
-                self.check_token(request.token)
+                # Idle pairs are kept: only a connection that never authenticated times out.
+                idle = framing.IDLE_SECONDS if group is None else None
+                request = await framing.read_request(loop, conn, self.check_token, idle)
                 if request.op == framing.OP_CONNECT:
                     group = await self._connect(loop, conn, request)
                 elif group is None:
@@ -149,7 +150,7 @@ class TorchKVServer(KVTransferServer):
                 await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
                 if exc.reason in ("refused", "protocol", "internal"):
                     return
-            except (ConnectionError, EOFError):
+            except (ConnectionError, EOFError, asyncio.TimeoutError):
                 return
 
     async def _connect(
@@ -181,7 +182,9 @@ class TorchKVServer(KVTransferServer):
     ) -> None:
         start = time.perf_counter()
         args = (request.request_id, request.block_ids, request.bytes_per_block)
-        blocks = await asyncio.to_thread(self.read_blocks, *args)
+        with self.holding(*args):  # a copy is sent, but expiry waits for it all the same
+            await self.pause_mid_transfer()
+            blocks = await asyncio.to_thread(self.read_blocks, *args[:2])
         fault = self.draw_fault()
         if fault == "drop":  # the pair is dropped with the connection, as after any failure
             raise ConnectionResetError("injected fault: pull dropped")

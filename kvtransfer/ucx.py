@@ -9,11 +9,15 @@ between two local processes, with "rendezvous fragmented copy-in copy-out" for l
 messages (``UCX_PROTO_INFO=y``); ``UCX_RNDV_SCHEME=put_zcopy`` roughly doubles its loopback
 throughput. Prefer ``tcp`` for host-memory KV caches (see ``default_transport``).
 
-Address: ``ucx://HOST:PORT`` (the ucxx listener binds every interface on PORT; the cluster
-token is what keeps strangers out). Per connection (a UCX endpoint), messages are framed with
-:mod:`kvtransfer.framing`, each control frame sent as a u64 length then the bytes:
+Address: ``ucx://HOST:PORT``. The listener binds every interface on PORT: ucxx 0.52's Python
+API takes no address for it (the C++ builder gained one in rapidsai/ucxx#703, not yet exposed),
+so the cluster token is what keeps strangers out; see docs/reliability.md. Per connection (a
+UCX endpoint), messages are framed with :mod:`kvtransfer.framing`, each control frame sent as
+a u64 length then the bytes; a request goes as two frames, its header and token first, so the
+server checks the token before it takes the rest (at most ``MAX_CONNECTIONS`` endpoints, each
+closed when idle for ``IDLE_SECONDS``):
 
-    client: request frame  ──▶  server: reply frame (OK + byte count, or the error)
+    client: request head + rest  ──▶  server: reply frame (OK + byte count, or the error)
                                 server: payload (one tag message, the contiguous tensor)
     client: receives the payload straight into its preallocated output tensor
 
@@ -44,6 +48,7 @@ from kvtransfer.base import (
     TransferError,
     bytes_per_row,
 )
+from kvtransfer.connection_pool import ConnectionPool
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 from kvtransfer.tcp import expect_reply_size
@@ -59,8 +64,8 @@ try:
 except ImportError as exc:  # also raised by ucxx itself when its native libraries are missing
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-MAX_FRAME_BYTES = framing.REQUEST_HEADER.size + framing.MAX_TOKEN_LEN + framing.MAX_ID_LEN
-MAX_FRAME_BYTES += 8 * framing.MAX_BLOCKS
+MAX_HEAD_BYTES = framing.REQUEST_HEADER.size + framing.MAX_TOKEN_LEN
+MAX_FRAME_BYTES = framing.MAX_ID_LEN + 8 * framing.MAX_BLOCKS
 ABORT_PERIOD_NS = 10**9  # at most 1 s to tear down a broken endpoint
 
 
@@ -94,10 +99,10 @@ async def _send_frame(ep: Any, frame: bytes) -> None:
     await ep.send(np.frombuffer(frame, dtype=np.uint8))
 
 
-async def _recv_frame(ep: Any) -> bytes:
+async def _recv_frame(ep: Any, limit: int = MAX_FRAME_BYTES) -> bytes:
     size = np.empty(1, dtype="<u8")
     await ep.recv(size)
-    if int(size[0]) > MAX_FRAME_BYTES:
+    if int(size[0]) > limit:
         raise framing.ProtocolError(f"frame of {int(size[0])} bytes is too large")
     body = bytearray(int(size[0]))
     if body:
@@ -149,12 +154,15 @@ class UcxKVServer(KVTransferServer):
             self._listener = None
 
     async def _serve_endpoint(self, ep: Any) -> None:
+        if len(self._endpoints) >= framing.MAX_CONNECTIONS:
+            _abort(ep)
+            return
         self._endpoints.add(ep)
         try:
             while await self._serve_one(ep):
                 pass
-        except (_UCXError, ConnectionError):
-            pass  # the client went away
+        except (_UCXError, ConnectionError, asyncio.TimeoutError):
+            pass  # the client went away, or sent nothing for too long
         except Exception:
             logger.exception("UCX KV transfer handler failed")
         finally:
@@ -165,12 +173,13 @@ class UcxKVServer(KVTransferServer):
         """Answer one request; False when the endpoint must be closed."""
         start = time.perf_counter()
         try:
-            request = framing.parse_request(await _recv_frame(ep))
-            self.check_token(request.token)
+            request = await asyncio.wait_for(self._read_request(ep), framing.IDLE_SECONDS)
             if request.op != framing.OP_PULL:
                 raise TransferError("protocol", f"op {request.op} is not served by ucx")
             args = (request.request_id, request.block_ids, request.bytes_per_block)
-            blocks = await asyncio.to_thread(self.read_blocks, *args)
+            with self.holding(*args):  # a copy is sent, but expiry waits for it all the same
+                await self.pause_mid_transfer()
+                blocks = await asyncio.to_thread(self.read_blocks, *args[:2])
         except framing.ProtocolError as exc:
             self._record_failure("protocol")
             await _send_frame(ep, framing.error_reply("protocol", str(exc)))
@@ -191,6 +200,19 @@ class UcxKVServer(KVTransferServer):
         return True
 
 
+    async def _read_request(self, ep: Any) -> framing.Request:
+        """Header and token, checked, then the rest (refused: the rest is never taken)."""
+        head = await _recv_frame(ep, MAX_HEAD_BYTES)
+        if len(head) < framing.REQUEST_HEADER.size:
+            raise framing.ProtocolError(f"request head of {len(head)} bytes")
+        header = framing.parse_request_header(head[: framing.REQUEST_HEADER.size])
+        token = head[framing.REQUEST_HEADER.size :]
+        if len(token) != header.token_len:
+            raise framing.ProtocolError("request head does not match its header")
+        self.check_token(token.decode(errors="replace"))
+        return framing.parse_request_body(header, token + await _recv_frame(ep))
+
+
 class UcxKVClient(KVTransferClient):
     """Pulls KV blocks over UCX, keeping idle endpoints per server for reuse."""
 
@@ -206,8 +228,9 @@ class UcxKVClient(KVTransferClient):
     ):
         super().__init__(token, device, metrics)
         self._ucxx = _require_ucxx(ucx_options)
-        self.max_idle_per_server = max_idle_per_server
-        self._idle: dict[tuple[str, int], list[Any]] = {}
+        self.connections: ConnectionPool[Any] = ConnectionPool(
+            self._connect, _abort, lambda ep: not ep.closed, max_idle_per_server
+        )
 
     async def _pull_into(
         self,
@@ -223,7 +246,30 @@ class UcxKVClient(KVTransferClient):
                 framing.OP_PULL, self.token or "", request_id, block_ids, bytes_per_row(out)
             )
         )
-        ep, payload_len = await self._request((host, port), frame, timeout)
+
+        head = framing.request_head_len(frame)
+
+        async def exchange(ep: Any) -> tuple[int, str, int]:
+            # A server that refuses the token answers after the head and never takes the rest:
+            # its answer counts, not the unfinished send.
+            try:
+                await _send_frame(ep, frame[:head])
+                rest = asyncio.ensure_future(_send_frame(ep, frame[head:]))
+                try:
+                    reply = framing.parse_reply(await _recv_frame(ep))
+                except BaseException:
+                    rest.cancel()
+                    raise
+                if reply[0] == framing.STATUS_OK:
+                    await rest
+                else:
+                    rest.cancel()
+                    await asyncio.gather(rest, return_exceptions=True)
+                return reply
+            except _UCXError as exc:
+                raise ConnectionResetError(f"UCX request failed: {exc}") from exc
+
+        ep, payload_len = await self.connections.request((host, port), exchange, timeout)
         try:
             expect_reply_size(payload_len, out)
             self._mark_transferring(request_id)
@@ -234,50 +280,13 @@ class UcxKVClient(KVTransferClient):
         except BaseException:
             _abort(ep)
             raise
-        self._release((host, port), ep)
+        self.connections.release((host, port), ep)
 
-    async def _request(self, key: tuple[str, int], frame: bytes, timeout: float) -> tuple[Any, int]:
-        """Send ``frame``, read an OK reply: (endpoint, payload length); retry a dead pooled one."""
-        for attempt in range(2):
-            ep, reused = await self._acquire(key, timeout)
-            try:
-                await _send_frame(ep, frame)
-                status, message, payload_len = framing.parse_reply(await _recv_frame(ep))
-            except _UCXError as exc:
-                _abort(ep)
-                if reused and attempt == 0:
-                    continue
-                raise ConnectionResetError(f"UCX request failed: {exc}") from exc
-            except BaseException:
-                _abort(ep)
-                raise
-            if status != framing.STATUS_OK:
-                _abort(ep)
-                raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
-            return ep, payload_len
-        raise AssertionError("unreachable")
-
-    async def _acquire(self, key: tuple[str, int], timeout: float) -> tuple[Any, bool]:
-        idle = self._idle.get(key)
-        while idle:
-            ep = idle.pop()
-            if not ep.closed:
-                return ep, True
+    async def _connect(self, key: tuple[str, int], timeout: float) -> Any:
         try:
-            ep = await self._ucxx.create_endpoint(key[0], key[1], connect_timeout=timeout)
+            return await self._ucxx.create_endpoint(key[0], key[1], connect_timeout=timeout)
         except _UCXError as exc:
             raise ConnectionRefusedError(f"UCX connect to {key} failed: {exc}") from exc
-        return ep, False
-
-    def _release(self, key: tuple[str, int], ep: Any) -> None:
-        idle = self._idle.setdefault(key, [])
-        if len(idle) < self.max_idle_per_server:
-            idle.append(ep)
-        else:
-            _abort(ep)
 
     async def close(self) -> None:
-        for idle in self._idle.values():
-            for ep in idle:
-                _abort(ep)
-        self._idle.clear()
+        self.connections.close_all()

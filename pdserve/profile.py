@@ -7,7 +7,7 @@ A profile holds three measurements of the real engine, offline (no server, no ro
 - **decode**: seconds of one decode step (every running sequence computes one token) vs the
   batch size (1..64) at a few context lengths. The contexts are not computed: the sequences
   enter the engine through the decode side's pull API (``add_prefilled_request`` /
-  ``reserve_pull`` / ``commit_pull``) with whatever the KV blocks hold, so a batch of long
+  ``take_pull_plans`` / ``commit_pull``) with whatever the KV blocks hold, so a batch of long
   contexts costs no prefill to set up. A point that would not fit in the KV pool is skipped:
   a worker with that pool could not run it either;
 - **transfer**: seconds to pull a prompt's KV blocks from a server in another process over
@@ -238,7 +238,7 @@ def token_ids(n: int, salt: int, vocab: int) -> list[int]:
 
 def time_prefill(engine: LLMEngine, num_tokens: int, repeats: int) -> float:
     """Median seconds for one prompt of ``num_tokens`` alone, first token included."""
-    from services.engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1)
     vocab = engine.model.config.vocab_size
@@ -256,7 +256,7 @@ def time_decode(engine: LLMEngine, batch_size: int, context: int, steps: int) ->
 
     The sequences come in as pulled requests whose KV is taken as it is (see the module doc).
     """
-    from services.engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     vocab = engine.model.config.vocab_size
@@ -264,8 +264,10 @@ def time_decode(engine: LLMEngine, batch_size: int, context: int, steps: int) ->
     try:
         for i, request_id in enumerate(ids):
             engine.add_prefilled_request(request_id, token_ids(context, i, vocab), 100, params)
-            plan = engine.reserve_pull(request_id)
-            assert plan is not None, "the caller checks that the batch fits in the pool"
+        engine.step()  # admits them all: the caller checks that the batch fits in the pool
+        plans = engine.take_pull_plans()
+        assert len(plans) == batch_size, "the caller checks that the batch fits in the pool"
+        for plan in plans:
             engine.commit_pull(plan, engine.runner.kv_cache[plan.dest_block_ids])
         engine.step()  # untimed: the first step also computes the first token's KV
         return median_time(lambda _: engine.step(), steps)
@@ -353,13 +355,14 @@ def measure_transfer(
 ) -> tuple[float, float]:
     """``(GB/s, latency s)``: pulls over loopback tcp from a server in another process.
 
-    The server is ``kvtransfer.testing.ServerProcess`` (random blocks of this model's layout);
+    The server is ``kvtransfer.server_process.ServerProcess`` (random blocks of this model's
+    layout);
     the client is ``kvtransfer.make_client("tcp")``, what a decode worker uses. Each size is
     the median of ``repeats`` pulls (after one untimed), then ``seconds = latency + bytes / bw``
     is fitted over the sizes.
     """
     from kvtransfer import KVLayout, make_client
-    from kvtransfer.testing import ServerProcess, ServerSpec
+    from kvtransfer.server_process import ServerProcess, ServerSpec
 
     mcfg = engine.model.config
     layout = KVLayout(
@@ -408,12 +411,13 @@ def measure_profile(config: ProfileConfig, show_progress: bool = True) -> Worker
     previous_threads = torch.get_num_threads()
     engine_config = EngineConfig(
         model=config.model,
+        cache_dir=str(config.cache_dir) if config.cache_dir else None,
         num_threads=max(config.threads),
         cache=CacheConfig(
             enable_prefix_caching=False, kv_cache_memory_bytes=config.kv_cache_memory_bytes
         ),
     )
-    engine = LLMEngine(engine_config, config.cache_dir)
+    engine = LLMEngine(engine_config)
     per_thread = len(config.prefill_tokens) + len(config.contexts) * len(config.batch_sizes)
     total = len(config.threads) * config.passes * per_thread + len(config.transfer_tokens)
     with tqdm(total=total, desc="profile", unit="pt", disable=not show_progress) as bar:
@@ -428,7 +432,7 @@ def measure_profile(config: ProfileConfig, show_progress: bool = True) -> Worker
             torch.set_num_threads(previous_threads)
         gbps, latency = measure_transfer(engine, config.transfer_tokens, config.repeats, tick)
     block_size = engine.pool.block_size
-    per_block = kv_bytes_per_block(engine.model, block_size, engine_config.torch_dtype)
+    per_block = kv_bytes_per_block(engine.model, block_size, getattr(torch, engine_config.dtype))
     return WorkerProfile(
         model=engine.model_dir.name,
         block_size=block_size,

@@ -30,10 +30,10 @@ taken meanwhile) is fatal.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -42,17 +42,19 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from common.settings import setting, to_flags
 from pdserve.supervisor import Restartable, Supervisor
-from services.engine.config import default_num_threads
+from router.config import RouterConfig
+from services.engine.config import EngineConfig, default_num_threads
 from services.redis_server import RedisServer, RedisServerError
+from services.worker.config import TRANSPORTS
 from services.worker.launcher import WorkerProcess
 
-TRANSPORTS = ("tcp", "shm", "torch", "ucx")
 ROUTER_STOP_SECONDS = 30.0
 WORKER_STOP_SECONDS = 40.0  # the workers' default drain (30 s) plus their own shutdown
 POLL_SECONDS = 0.2
@@ -67,76 +69,83 @@ class _ForceStop(BaseException):
     """A second signal arrived while stopping: kill instead of waiting."""
 
 
+# Router settings `up` decides itself (addresses, the model, tracing, secrets) or hands over
+# otherwise (the API key goes by environment, not by a flag visible in `ps`).
+ROUTER_SKIP = (
+    "host",
+    "port",
+    "redis_url",
+    "redis_password",
+    "redis_prefix",
+    "model",
+    "cache_dir",
+    "max_model_len",
+    "trace_file",
+    "otlp_endpoint",
+    "cluster_token",
+    "insecure",
+)
+
+
 @dataclass(frozen=True)
 class UpConfig:
-    """What `pdserve up` starts; built once from the command line."""
+    """What `pdserve up` starts; its own settings, plus the router's and the engine's settings it
+    hands to those components. Built once from the command line."""
 
-    prefill: int = 1
-    decode: int = 1
-    colocated: int = 0  # > 0: this many colocated workers instead of prefill + decode
-    model: str | None = None  # None: the default model
-    port: int = 8000  # the router's; 0: any free port
-    transport: str = "tcp"
-    threads: int | None = None  # torch threads per worker; None: the cores split between them
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    cache_dir: str | None = None
-    api_key: str | None = None
-    ready_timeout: float = 180.0
-    restart: bool = False  # restart a component that exits, instead of stopping everything
-    trace_file: str | None = None  # every component appends its spans here (JSON lines)
+    prefill: int | None = setting(None, "prefill workers (none: 1, or 0 with --colocated)")
+    decode: int | None = setting(None, "decode workers (none: 1, or 0 with --colocated)")
+    colocated: int = setting(
+        0, "colocated workers instead of prefill + decode (the flag alone: 1)", const=1
+    )
+    port: int = setting(8000, "the router's HTTP port (0: any free port)")
+    transport: str = setting("tcp", "the workers' KV transport", choices=TRANSPORTS)
+    threads: int | None = setting(
+        None, "torch threads per worker (none: the cores split between the workers)"
+    )
+    ready_timeout: float = setting(180.0, "seconds to wait for the router's /ready")
+    restart: bool = setting(False, "restart a component that exits, with a growing backoff")
+    insecure: bool = setting(
+        False, "run the internal plane without a cluster token and Redis without a password"
+    )
+    trace_file: str | None = setting(
+        None, "every component appends its OpenTelemetry spans to this file as JSON lines"
+    )
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def __post_init__(self) -> None:
         if self.colocated < 0:
             raise ValueError(f"--colocated must be >= 0, got {self.colocated}")
         if self.colocated and (self.prefill or self.decode):
             raise ValueError("--colocated replaces --prefill/--decode: give one or the other")
-        for name in ("prefill", "decode"):
+        for name in ("num_prefill", "num_decode"):
             value = getattr(self, name)
             if not self.colocated and value < 1:
-                raise ValueError(f"--{name} must be >= 1 (or use --colocated), got {value}")
+                flag = "--" + name.removeprefix("num_")
+                raise ValueError(f"{flag} must be >= 1 (or use --colocated), got {value}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"--transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("threads", "num_blocks", "kv_cache_memory"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.ready_timeout <= 0:
             raise ValueError(f"--ready-timeout must be > 0, got {self.ready_timeout}")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> UpConfig:
-        """From `pdserve up`'s flags; --prefill/--decode default to 1 unless --colocated."""
-        colocated = args.colocated or 0
-        if colocated and (args.prefill is not None or args.decode is not None):
-            raise ValueError("--colocated replaces --prefill/--decode: give one or the other")
+    @property
+    def num_prefill(self) -> int:
+        return 0 if self.colocated else (1 if self.prefill is None else self.prefill)
 
-        def count(value: int | None) -> int:
-            return 0 if colocated else (1 if value is None else value)
-
-        return cls(
-            prefill=count(args.prefill),
-            decode=count(args.decode),
-            colocated=colocated,
-            model=args.model,
-            port=args.port,
-            transport=args.transport,
-            threads=args.threads,
-            num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            cache_dir=args.cache_dir,
-            api_key=args.api_key or None,
-            ready_timeout=args.ready_timeout,
-            restart=args.restart,
-            trace_file=os.path.abspath(args.trace_file) if args.trace_file else None,
-        )
+    @property
+    def num_decode(self) -> int:
+        return 0 if self.colocated else (1 if self.decode is None else self.decode)
 
     @property
     def workers(self) -> list[tuple[str, str]]:
         """(role, name) of every worker: prefill-0.., decode-0.. or colocated-0.."""
-        counts = (("prefill", self.prefill), ("decode", self.decode), ("colocated", self.colocated))
+        counts = (
+            ("prefill", self.num_prefill),
+            ("decode", self.num_decode),
+            ("colocated", self.colocated),
+        )
         return [(role, f"{role}-{i}") for role, n in counts for i in range(n)]
 
     @property
@@ -147,23 +156,27 @@ class UpConfig:
         return max(1, default_num_threads() // len(self.workers))
 
     def worker_args(self, redis_url: str) -> list[str]:
-        """Command-line flags of every worker (the rest keep the workers' own defaults)."""
+        """Command-line flags of every worker: addresses, transport, threads, and every engine
+        setting given to `up` (the rest keep the workers' own defaults)."""
         args = ["--host", "127.0.0.1", "--redis-url", redis_url]
         args += ["--kv-transport", self.transport, "--threads", str(self.threads_per_worker)]
-        args += _optional("--num-blocks", self.num_blocks)
-        args += _optional("--kv-cache-memory", self.kv_cache_memory)
-        return args + self._shared_args()
+        args += to_flags(self.engine, skip=("num_threads",))
+        return args + self._trace_args()
+
+    def _trace_args(self) -> list[str]:
+        """One file for every component, wherever each one runs from."""
+        return ["--trace-file", os.path.abspath(self.trace_file)] if self.trace_file else []
 
     def router_args(self, redis_url: str, port: int | None = None) -> list[str]:
         """Command-line flags of the router (the API key goes by environment, not in `ps`);
         ``port`` replaces ``--port`` (a restarted router keeps the port it had)."""
         port = self.port if port is None else port
         args = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url]
-        return args + self._shared_args()
-
-    def _shared_args(self) -> list[str]:
-        args = _optional("--model", self.model) + _optional("--cache-dir", self.cache_dir)
-        return args + _optional("--trace-file", self.trace_file)
+        engine = self.engine
+        args += _optional("--model", engine.model) + _optional("--cache-dir", engine.cache_dir)
+        args += _optional("--max-model-len", engine.max_model_len)
+        args += to_flags(self.router, skip=(*ROUTER_SKIP, "api_key"))
+        return args + self._trace_args()
 
 
 def _optional(flag: str, value: object) -> list[str]:
@@ -330,7 +343,14 @@ class UpSystem:
 
     def __init__(self, config: UpConfig):
         self.config = config
-        self.redis = RedisServer()
+        # One token and one Redis password per run, handed to every component by environment.
+        self.secrets: dict[str, str] = {}
+        if not config.insecure:
+            self.secrets = {
+                "PDSERVE_CLUSTER_TOKEN": secrets.token_hex(32),
+                "PDSERVE_REDIS_PASSWORD": secrets.token_hex(32),
+            }
+        self.redis = RedisServer(password=self.secrets.get("PDSERVE_REDIS_PASSWORD"))
         self.redis_pid: int | None = None  # the first server's (redis.pid is None once it died)
         self.workers: list[Component] = []
         self.router: Component | None = None
@@ -377,10 +397,14 @@ class UpSystem:
             f"(--threads {cfg.threads_per_worker} --kv-transport {cfg.transport} each) "
             "and the router"
         )
-        worker_args = cfg.worker_args(self.redis.url)
-        self.workers = [Component(name, role, worker_args) for role, name in cfg.workers]
-        env = {"PDSERVE_API_KEY": cfg.api_key} if cfg.api_key else None
-        self.router = Component("router", "router", cfg.router_args(self.redis.url), env)
+        insecure = ["--insecure"] if cfg.insecure else []
+        worker_args = cfg.worker_args(self.redis.address) + insecure
+        env = dict(self.secrets)
+        self.workers = [Component(name, role, worker_args, env) for role, name in cfg.workers]
+        if cfg.router.api_key:
+            env["PDSERVE_API_KEY"] = cfg.router.api_key
+        router_args = cfg.router_args(self.redis.address) + insecure
+        self.router = Component("router", "router", router_args, env)
         for component in self.components:
             if self._stop_requested.is_set():
                 return False
@@ -401,7 +425,7 @@ class UpSystem:
         self.redis_pid = self.redis.pid
         assert self.redis.log_path is not None
         self._redis_log = LogTail(self.redis.log_path, "[redis]")
-        _say(f"redis-server pid {self.redis_pid} on {self.redis.url}")
+        _say(f"redis-server pid {self.redis_pid} on {self.redis.address}")
 
     def _router_ready(self) -> bool:
         try:
@@ -440,6 +464,27 @@ class UpSystem:
                     f"{c.output_tail()}"
                 )
 
+    def _check_pools(self, reported: set[str]) -> None:
+        """Report each worker death once; UpError when Redis, the router or a pool is gone."""
+        if not self.redis.is_running or (self.router is not None and not self.router.is_alive()):
+            self._check_alive()  # raises, with the dead component's last output
+        for worker in self.workers:
+            if worker.is_alive() or worker.name in reported:
+                continue
+            reported.add(worker.name)
+            time.sleep(0.3)  # let the echo thread read its last lines
+            pool = [w for w in self.workers if w.role == worker.role and w.is_alive()]
+            _say(
+                f"WARNING: {worker.name} (pid {worker.pid}) {_exit_text(worker.exit_code)}; "
+                f"{len(pool)} {worker.role} worker(s) left serving (--restart would restart it). "
+                f"Its last output:\n{worker.output_tail(20)}"
+            )
+            if not pool:
+                raise UpError(
+                    f"no {worker.role} worker is left: {worker.name} "
+                    f"{_exit_text(worker.exit_code)}, and the rest of its pool before it"
+                )
+
     def _timeout(self, what: str) -> UpError:
         timeout = self.config.ready_timeout
         lines = [f"not up after {timeout:g}s (--ready-timeout): still waiting for {what}"]
@@ -455,15 +500,15 @@ class UpSystem:
 
     def summary(self) -> str:
         """What runs where, and a request to try."""
-        from services.engine.model.loader import model_name
+        from services.engine.model.source import model_name
 
         assert self.router is not None  # the router's ready line names the served model
-        name = str(self.router.info.get("model") or model_name(self.config.model))
+        name = str(self.router.info.get("model") or model_name(self.config.engine.model))
         body = {"model": name, "messages": [{"role": "user", "content": "Hello!"}]}
-        auth = " -H 'Authorization: Bearer <your --api-key>'" if self.config.api_key else ""
+        auth = " -H 'Authorization: Bearer <your --api-key>'" if self.config.router.api_key else ""
         lines = [
             f"pdserve is up: {self.url} (model {name})",
-            f"  {'redis':<12} pid {self.redis_pid!s:<8} {self.redis.url}",
+            f"  {'redis':<12} pid {self.redis_pid!s:<8} {self.redis.address}",
             *(c.describe() for c in self.components),
             "",
             f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
@@ -480,13 +525,20 @@ class UpSystem:
 
     def watch(self) -> None:
         """Return when a stop signal comes. A component that dies: with --restart it is started
-        again (UpError only if Redis cannot be), else UpError."""
+        again (UpError only if Redis cannot be). Without, a dead worker is reported and the rest
+        keeps serving while its pool has live members; UpError when Redis, the router or a
+        whole pool is gone."""
         if not self.config.restart:
-            self._wait(lambda: False, "", None)
+            reported: set[str] = set()
+            while not self._stop_requested.is_set():
+                self._check_pools(reported)
+                self._stop_requested.wait(POLL_SECONDS)
             return
         assert self.router is not None
         # The router must come back where the summary said, also when --port 0 picked the port.
-        self.router.args = self.config.router_args(self.redis.url, int(self.router.info["port"]))
+        port = int(self.router.info["port"])
+        insecure = ["--insecure"] if self.config.insecure else []
+        self.router.args = self.config.router_args(self.redis.address, port) + insecure
         units: list[Restartable] = [RedisUnit(self.redis), *self.components]
         supervisor = Supervisor(units, _say, self.config.ready_timeout)
         while not self._stop_requested.is_set():

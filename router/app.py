@@ -19,7 +19,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from pdserve import tracing
+from common import tracing
+from router import limits
+from router.config import RouterConfig
 from router.edge import EdgeMiddleware, TraceMiddleware
 from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, new_request_id, now_unix
@@ -48,17 +50,22 @@ def create_app(gateway: Gateway) -> FastAPI:
     app.add_middleware(
         EdgeMiddleware,
         max_body_bytes=gateway.config.max_body_bytes,
+        max_body_depth=gateway.config.max_body_depth,
         metrics=gateway.metrics,
         api_key=gateway.config.api_key,
     )
     if tracing.is_enabled():  # added last: outermost, so 401/413 answers carry the trace id
         app.add_middleware(TraceMiddleware)
 
+    config = gateway.config
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
         gateway.check_model(body.model)
         body.check_supported()
+        limits.check_fan_out(config, len(body.prompts()), body.n)
+        limits.check_stops(config, body.stop)
         prompts = [gateway.tokenize(p) for p in body.prompts()]
 
         def params(prompt_len: int):  # type: ignore[no-untyped-def]
@@ -66,6 +73,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             return body.sampling_params(max_tokens, body.logprobs)
 
         subs = gateway.sub_requests(new_request_id("cmpl"), prompts, params)
+        _check_tokens(config, subs, "max_tokens")
         builder = _builder(gateway, "completion", subs, body.n, body.logprobs, body)
         return await _respond(gateway, request, subs, builder, body.stream, arrival)
 
@@ -74,6 +82,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         arrival = time.perf_counter()
         gateway.check_model(body.model)
         body.check_supported()
+        limits.check_fan_out(config, 1, body.n)
+        limits.check_stops(config, body.stop)
+        limits.check_messages(config, len(body.messages))
         messages = body.template_messages()
         try:
             text = gateway.model.tokenizer.apply_chat_template(messages)
@@ -89,6 +100,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             return body.sampling_params(max_tokens, body.num_logprobs)
 
         subs = gateway.sub_requests(new_request_id("chatcmpl"), [prompt], params)
+        _check_tokens(config, subs, param)
         builder = _builder(gateway, "chat", subs, body.n, body.num_logprobs, body)
         return await _respond(gateway, request, subs, builder, body.stream, arrival)
 
@@ -137,6 +149,11 @@ def _without_fastapi_telemetry() -> dict[str, Any]:
     return {"telemetry": off}
 
 
+def _check_tokens(config: RouterConfig, subs: list[SubRequest], param: str) -> None:
+    lens = [len(sub.prompt_token_ids) for sub in subs]
+    limits.check_tokens(config, lens, [s.params.max_tokens for s in subs], subs[0].params.n, param)
+
+
 def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBuilder:  # type: ignore[no-untyped-def]
     builder = ResponseBuilder(
         kind,
@@ -174,25 +191,29 @@ async def _respond(
                 "pdserve.stream": stream,
             }
         )
-    gateway.acquire()
+    slots = len(subs) * subs[0].params.n  # every sub-request takes one
     clock = _Clock(gateway, arrival, span)
     if not stream:
+        gateway.acquire(slots)
         try:
             done = await _until_done_or_disconnected(
                 request, _collect(gateway, subs, builder, clock)
             )
         finally:
-            gateway.release()
+            gateway.release(slots)
             clock.finish(builder)
         if not done:  # nobody is listening; the status only shows in metrics and logs
             return Response(status_code=499)
         return JSONResponse(builder.response())
-    events = _events(gateway, subs, builder, clock)
-    try:
-        first = await anext(events)  # errors before the first event get their HTTP status
+    events = _events(gateway, subs, builder, clock, slots)
+    try:  # errors before the first event get their HTTP status; a client gone cancels it
+        first = await _first_event_or_disconnected(request, events)
     except BaseException:
         await events.aclose()
         raise
+    if first is None:  # the client left before the first token: nothing is running any more
+        await events.aclose()
+        return Response(status_code=499)
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -220,10 +241,16 @@ async def _collect(
 
 
 async def _events(
-    gateway: Gateway, subs: list[SubRequest], builder: ResponseBuilder, clock: _Clock
+    gateway: Gateway,
+    subs: list[SubRequest],
+    builder: ResponseBuilder,
+    clock: _Clock,
+    slots: int,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of a streaming response; frees the concurrency slot when it ends."""
+    """The SSE events of a streaming response: takes the concurrency slots when it starts and
+    frees them when it ends."""
     started = False
+    gateway.acquire(slots)
     try:
         async with aclosing(gateway.chunks(subs)) as chunks:
             async for index, chunk in chunks:
@@ -244,7 +271,7 @@ async def _events(
         yield builder.error_event(error.message, error.status, error.type)
         yield DONE
     finally:
-        gateway.release()
+        gateway.release(slots)
         clock.finish(builder)
 
 
@@ -271,6 +298,27 @@ async def _until_done_or_disconnected(request: Request, work) -> bool:  # type: 
         return False
     task.result()
     return True
+
+
+async def _first_event_or_disconnected(
+    request: Request, events: AsyncGenerator[bytes, None]
+) -> bytes | None:
+    """The stream's first event; None when the client left before it (the prefill is
+    cancelled then: closing the generator aborts the request on its workers)."""
+    first = asyncio.ensure_future(anext(events))
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        first.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not first.done():
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        return None
+    return first.result()
 
 
 async def _disconnected(request: Request) -> None:

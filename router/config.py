@@ -1,43 +1,111 @@
-"""Settings of the gateway/router, built once by the CLI (`pdserve router`) or by a test."""
+"""Settings of the gateway/router, declared once (``common.settings``): `pdserve router` builds
+its flags and ``PDSERVE_*`` variables from these fields; tests build the object directly."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.settings import parse_size, secret, setting
+
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
+LIMITS = (
+    "max_body_bytes",
+    "max_body_depth",
+    "max_prompts",
+    "max_n",
+    "max_fan_out",
+    "max_stop_strings",
+    "max_stop_chars",
+    "max_messages",
+    "max_request_prompt_tokens",
+    "max_request_output_tokens",
+)
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000  # 0: any free port (the ready line says which)
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_prefix: str = "pdserve:"
-    model: str | None = None  # the model the workers serve: tokenizer and chat template
-    served_model_name: str | None = None  # default: the model's name
-    cache_dir: str | None = None  # where a GGUF model's conversion is cached
-    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
-    cluster_token: str | None = None  # sent to the workers (x-pdserve-token)
-    prefill_policy: str = "prefix_aware"
-    decode_policy: str = "least_loaded"
-    colocated_policy: str = "prefix_aware"
-    prefix_load_weight: float = 0.5  # prefix_aware: how much load counts against cached prefix
-    max_concurrency: int = 512  # requests in flight; more get 429
-    max_body_bytes: int = 4 << 20  # larger request bodies get 413
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_attempts: int = 3  # tries per pool before the first token reaches the client
-    prefill_timeout_seconds: float = 120.0
-    request_timeout_seconds: float = 600.0
-    refresh_seconds: float = 0.5  # registry view refresh period
-    ttl_seconds: float = 5.0  # the workers' registry TTL (how long a view survives Redis loss)
-    retry_after_seconds: int = 1
-    trace_file: str | None = None  # append finished spans here as JSON lines
-    otlp_endpoint: str | None = None  # export spans with OTLP/gRPC to this collector
-    log_requests: bool = False  # log prompts and outputs (off: they may be private)
+    host: str = setting("127.0.0.1", "bind address")
+    port: int = setting(8000, "HTTP port (0: any free port; the ready line says which)")
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0", "the registry (redis://[:PASSWORD@]HOST:PORT/DB)"
+    )
+    redis_password: str | None = secret("the Redis password", "--redis-password-file")
+    redis_prefix: str = setting("pdserve:", "namespace of the registry's keys")
+    model: str | None = setting(
+        None, "the model the workers serve: its tokenizer and chat template (none: SmolLM2)"
+    )
+    served_model_name: str | None = setting(None, "the model's id in the API (none: its name)")
+    cache_dir: str | None = setting(None, "where a GGUF model's conversion is cached")
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on /v1/* (better given by env than by flag)"
+    )
+    cluster_token: str | None = secret(
+        "the shared secret of router and workers", "--cluster-token-file"
+    )
+    insecure: bool = setting(False, "call the workers without a cluster token")
+    prefill_policy: str = setting(
+        "prefix_aware", "routing policy of the prefill pool", choices=POLICY_NAMES
+    )
+    decode_policy: str = setting(
+        "least_loaded", "routing policy of the decode pool", choices=POLICY_NAMES
+    )
+    colocated_policy: str = setting(
+        "prefix_aware", "routing policy of the colocated pool", choices=POLICY_NAMES
+    )
+    prefix_load_weight: float = setting(
+        0.5, "prefix_aware: how much a worker's load counts against its cached prefix"
+    )
+    max_concurrency: int = setting(
+        512, "sub-requests in flight (prompts x n), at most; more get 429"
+    )
+    # Bounds on one request's work, checked before any of it is done (router.limits): a
+    # request over one gets a 400 naming the limit and its flag.
+    max_body_bytes: int = setting(
+        4 << 20, "request bodies larger than this get 413", parse=parse_size, metavar="SIZE"
+    )
+    max_body_depth: int = setting(32, "nesting depth of a request's JSON body")
+    max_prompts: int = setting(64, "prompts in one completions request")
+    max_n: int = setting(16, "sequences per prompt (n)")
+    max_fan_out: int = setting(
+        64, "sub-requests of one request (prompts x n); each takes a concurrency slot"
+    )
+    max_stop_strings: int = setting(16, "stop strings of one request")
+    max_stop_chars: int = setting(256, "characters of one stop string")
+    max_messages: int = setting(1024, "messages of one chat request")
+    max_request_prompt_tokens: int = setting(
+        131072, "prompt tokens of one request, all its prompts together"
+    )
+    max_request_output_tokens: int = setting(
+        262144, "tokens one request may generate: max_tokens x n, all its prompts together"
+    )
+    max_model_len: int | None = setting(None, "context length (none: the model's own)")
+    max_attempts: int = setting(3, "tries per pool before the first token reaches the client")
+    prefill_timeout_seconds: float = setting(120.0, "seconds a Prefill call may take")
+    request_timeout_seconds: float = setting(600.0, "seconds a whole request may take")
+    refresh_seconds: float = setting(0.5, "registry view refresh period")
+    ttl_seconds: float = setting(
+        5.0, "the workers' registry TTL (how long a view survives a Redis outage)"
+    )
+    retry_after_seconds: int = setting(1, "Retry-After of 429 and 503 answers")
+    trace_file: str | None = setting(
+        None, "append finished OpenTelemetry spans to this file as JSON lines"
+    )
+    otlp_endpoint: str | None = setting(None, "export spans with OTLP/gRPC to this collector")
+    log_requests: bool = setting(
+        False, "log each prompt's text (off by default: prompts may be private)"
+    )
     # Latency SLOs the router judges each request against (None: off): its time to first token,
     # and its mean time between the tokens after the first (TPOT, as pdserve-loadtest's goodput).
-    ttft_slo_seconds: float | None = None
-    itl_slo_seconds: float | None = None
+    ttft_slo_seconds: float | None = setting(
+        None,
+        "time-to-first-token SLO: export the share of recent requests meeting it "
+        "(pdserve_router_slo_attainment) and count those over it",
+    )
+    itl_slo_seconds: float | None = setting(
+        None,
+        "inter-token latency SLO, on each request's mean time between tokens after the first "
+        "(TPOT); exported like --ttft-slo-seconds",
+    )
 
     def __post_init__(self) -> None:
         for pool in ("prefill", "decode", "colocated"):
@@ -48,6 +116,9 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        for name in LIMITS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for slo in ("ttft_slo_seconds", "itl_slo_seconds"):
             value = getattr(self, slo)
             if value is not None and not value > 0:

@@ -1,7 +1,7 @@
 """The gateway's edge, as plain ASGI middleware (cheap on every request): the API key on
 ``/v1/*`` (checked before the body is read), a bound on the request body (413 before it is
-read when Content-Length says so, or as soon as a chunked body grows past it), and a count of
-responses by endpoint and status.
+read when Content-Length says so, or as soon as a chunked body grows past it) and on its JSON
+nesting (400), and a count of responses by endpoint and status (probes and scrapes excluded).
 
 The body is read here, whole, and handed to the app again: FastAPI would turn an error raised
 while it reads the body into a 400.
@@ -18,8 +18,9 @@ from typing import Any
 from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve import tracing
+from common import tracing
 from router.errors import APIError
+from router.limits import check_body_depth
 from router.metrics import RouterMetrics
 
 ENDPOINTS = {
@@ -31,14 +32,21 @@ ENDPOINTS = {
     "/ready",
     "/metrics",
 }
+PROBES = {"/health", "/ready", "/v1/workers", "/metrics"}  # not counted as client requests
 
 
 class EdgeMiddleware:
     def __init__(
-        self, app: ASGIApp, max_body_bytes: int, metrics: RouterMetrics, api_key: str | None
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        max_body_depth: int,
+        metrics: RouterMetrics,
+        api_key: str | None,
     ):
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.max_body_depth = max_body_depth
         self.metrics = metrics
         self.api_key = api_key
 
@@ -60,12 +68,15 @@ class EdgeMiddleware:
                 if self.api_key is not None and path.startswith("/v1/"):
                     _check_key(scope, self.api_key)
                 body = await _read_body(receive, self.max_body_bytes, _content_length(scope))
+                if body and scope["method"] == "POST":
+                    check_body_depth(body, self.max_body_depth)
             except APIError as error:
                 await error.response()(scope, receive, send_counted)
                 return
             await self.app(scope, _replay(body, receive), send_counted)
         finally:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+            if path not in PROBES:
+                self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
 
 class TraceMiddleware:

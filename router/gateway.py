@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.orchestrator import Chunk, Orchestrator, SubRequest
-from services.engine.sampling_params import SamplingParams
+from services.engine.model.source import model_name, resolve_model_dir
 from services.engine.tokenizer import Tokenizer
 from services.registry import RegistryConfig, RegistryView, WorkerRecord, tokenizer_hash
 
@@ -40,10 +41,8 @@ class ModelInfo:
 
     @classmethod
     def load(cls, config: RouterConfig) -> ModelInfo:
-        from services.engine.model.loader import model_name, resolve_model_dir
-
         cache_dir = Path(config.cache_dir or Path.home() / ".cache" / "pdserve")
-        model_dir = resolve_model_dir(config.model, cache_dir)
+        model_dir = resolve_model_dir(config.model, cache_dir, convert_in_child=True)
         hf_config = json.loads((model_dir / "config.json").read_text())
         max_len = config.max_model_len or int(
             hf_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
@@ -69,6 +68,7 @@ class Gateway:
         self.metrics = metrics or RouterMetrics()
         registry = RegistryConfig(
             redis_url=config.redis_url,
+            password=config.redis_password,
             prefix=config.redis_prefix,
             ttl_seconds=config.ttl_seconds,
             heartbeat_seconds=min(1.0, config.ttl_seconds / 2),
@@ -102,7 +102,7 @@ class Gateway:
         while True:
             await asyncio.sleep(CHANNEL_PRUNE_SECONDS)
             if not self.view.is_stale:
-                self.orchestrator.forget_channels()
+                await self.orchestrator.forget_channels()
 
     def rejection(self, worker: WorkerRecord) -> str | None:
         """Why this router cannot use ``worker`` (None: it can)."""
@@ -124,20 +124,23 @@ class Gateway:
                 code="model_not_found",
             )
 
-    def acquire(self) -> None:
-        """Take a concurrency slot or refuse with 429 (give it back with ``release``)."""
-        if self.num_in_flight >= self.config.max_concurrency:
+    def acquire(self, slots: int = 1) -> None:
+        """Take ``slots`` concurrency slots (one per sub-request) or refuse with 429 (give them
+        back with ``release``)."""
+        limit = self.config.max_concurrency
+        if self.num_in_flight + slots > limit:
             raise APIError(
                 429,
-                f"the router has {self.num_in_flight} requests in flight, its limit; retry later",
+                f"the router has {self.num_in_flight} sub-requests in flight and this request "
+                f"needs {slots} more; its limit is {limit}: retry later",
                 retry_after=self.config.retry_after_seconds,
             )
-        self.num_in_flight += 1
-        self.metrics.in_flight.inc()
+        self.num_in_flight += slots
+        self.metrics.in_flight.inc(slots)
 
-    def release(self) -> None:
-        self.num_in_flight -= 1
-        self.metrics.in_flight.dec()
+    def release(self, slots: int = 1) -> None:
+        self.num_in_flight -= slots
+        self.metrics.in_flight.dec(slots)
 
     # -- prompts -------------------------------------------------------------------------------
 

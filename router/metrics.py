@@ -36,7 +36,7 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "pdserve_router_requests",
-            "HTTP requests by endpoint and status code",
+            "API requests by endpoint and status code (probes and scrapes are not counted)",
             ["endpoint", "status"],
             registry=r,
         )
@@ -77,7 +77,9 @@ class RouterMetrics:
             "pdserve_router_generation_tokens", "Tokens generated for clients", registry=r
         )
         self.in_flight = Gauge(
-            "pdserve_router_requests_in_flight", "Requests being served now", registry=r
+            "pdserve_router_requests_in_flight",
+            "Sub-requests (prompts x n) being served now: the slots --max-concurrency bounds",
+            registry=r,
         )
         self.slo_requests = Counter(
             "pdserve_router_slo_requests",
@@ -94,12 +96,12 @@ class RouterMetrics:
         self.slos: dict[str, SLOTracker] = {}
 
     def watch_workers(self, count: Callable[[str], int]) -> None:
-        """A gauge of routable workers per role, read at scrape time."""
+        """A gauge of routable workers per pool, read at scrape time."""
         gauge = Gauge(
-            "pdserve_router_workers", "Routable workers by role", ["role"], registry=self.registry
+            "pdserve_router_workers", "Routable workers by pool", ["pool"], registry=self.registry
         )
-        for role in POOLS:
-            gauge.labels(role=role).set_function(functools.partial(count, role))
+        for pool in POOLS:
+            gauge.labels(pool=pool).set_function(functools.partial(count, pool))
 
     def watch_pools(
         self, num_requests: Callable[[str], int], kv_usage: Callable[[str], float]

@@ -33,20 +33,21 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
-from pdserve import tracing
+from common import tracing
+from common.channels import ChannelPool
+from common.prefill_client import PrefillClient
+from common.sampling_params import SamplingParams, sequence_seed
+from common.wire import params_to_proto, token_metadata
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.policies import PolicyContext, RouteRequest, RoutingPolicy, make_policy
-from services.engine.sampling_params import SamplingParams
 from services.registry import ROLES, RegistryView, Role, WorkerRecord
-from services.worker.convert import params_to_proto
 
 log = logging.getLogger(__name__)
 
-RELEASE_TIMEOUT_SECONDS = 2.0
 WorkerFilter = Callable[[WorkerRecord], str | None]  # None: the router may use it, else why not
 # Codes after which another worker may well succeed; anything else is the request's own fault.
 RETRYABLE = {
@@ -109,11 +110,10 @@ class Orchestrator:
             "decode": make_policy(config.decode_policy, context),
             "colocated": make_policy(config.colocated_policy, context),
         }
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._busy: Counter[str] = Counter()  # grpc address -> calls in flight
+        self.channels = ChannelPool()
+        self.prefill_client = PrefillClient(self.channels, config.cluster_token)
         self._background: set[asyncio.Task[None]] = set()
-        token = config.cluster_token
-        self._metadata: tuple[tuple[str, str], ...] = (("x-pdserve-token", token),) if token else ()
+        self._metadata = token_metadata(config.cluster_token)
 
     # -- who can serve -------------------------------------------------------------------------
 
@@ -198,14 +198,15 @@ class Orchestrator:
                     yield chunk
         finally:
             if not handed_over:  # no decode worker took it: nobody will pull or release
-                self._spawn(self._release(answer.kv))
+                # The address the router called, not one the answer names.
+                self._spawn(self.prefill_client.release(answer.kv, prefill.grpc_address))
 
     async def _other_sequences(
         self, sub: SubRequest, route: RouteRequest, prefill: WorkerRecord
     ) -> AsyncGenerator[Chunk, None]:
         """n > 1 and sequence 0 ended at its first token: a decode worker computes the prompt
         itself for sequences 1..n-1 (their seeds shifted as if they had been forked)."""
-        seed = None if sub.params.seed is None else sub.params.seed + 1
+        seed = None if sub.params.seed is None else sequence_seed(sub.params.seed, 1)
         rest = dataclasses.replace(sub.params, n=sub.params.n - 1, seed=seed)
         request = pb.GenerateRequest(
             prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(rest)
@@ -244,12 +245,11 @@ class Orchestrator:
                 token_ids=sub.prompt_token_ids,
                 sampling=params_to_proto(sub.params),
             )
-            stub = pb_grpc.PrefillServiceStub(self._channel(worker.grpc_address))
             span = _attempt_span("prefill", worker, attempt, request.request_id)
             with tracing.ending(span):
                 try:
-                    with self._tracked(worker):
-                        answer = await stub.Prefill(
+                    with self._tracked(worker) as channel:
+                        answer = await pb_grpc.PrefillServiceStub(channel).Prefill(
                             request,
                             timeout=self.config.prefill_timeout_seconds,
                             metadata=self._metadata + tracing.grpc_metadata(span),
@@ -281,17 +281,17 @@ class Orchestrator:
                 break
             worker = await self._choose(pool, candidates, route)
             request.request_id = _attempt_id(sub.request_id, pool[0], attempt)
-            stub = pb_grpc.DecodeServiceStub(self._channel(worker.grpc_address))
             span = _attempt_span(pool, worker, attempt, request.request_id)
-            call = stub.Generate(
-                request,
-                timeout=max(1.0, deadline - time.monotonic()),
-                metadata=self._metadata + tracing.grpc_metadata(span),
-            )
             started, num_tokens = False, 0
+            call = None
             with tracing.ending(span):
                 try:
-                    with self._tracked(worker):
+                    with self._tracked(worker) as channel:
+                        call = pb_grpc.DecodeServiceStub(channel).Generate(
+                            request,
+                            timeout=max(1.0, deadline - time.monotonic()),
+                            metadata=self._metadata + tracing.grpc_metadata(span),
+                        )
                         async for message in call:
                             if not started:
                                 started = True
@@ -312,7 +312,8 @@ class Orchestrator:
                     last = reason
                     failed.add(worker.worker_id)
                 finally:
-                    call.cancel()  # a no-op once finished; on client disconnect: abort there
+                    if call is not None:
+                        call.cancel()  # a no-op once finished; on client disconnect: abort there
         raise APIError(503, f"{pool} failed: {last}", retry_after=self.config.retry_after_seconds)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -348,61 +349,34 @@ class Orchestrator:
         return f"{worker.worker_id}: {code.name}: {details}"
 
     @contextmanager
-    def _tracked(self, worker: WorkerRecord) -> Iterator[None]:
-        """Count the call in the worker's in-flight load and its pool's (and keep its channel
-        open). A request has at most one call open per pool: retries are sequential."""
-        keys = ((self.in_flight, worker.worker_id), (self._busy, worker.grpc_address))
-        for counter, key in keys:
-            counter[key] += 1
+    def _tracked(self, worker: WorkerRecord) -> Iterator[grpc.aio.Channel]:
+        """The worker's channel, kept open while the call runs; the call counts in the worker's
+        in-flight load and its pool's. A request has at most one call open per pool: retries
+        are sequential."""
+        self.in_flight[worker.worker_id] += 1
         self.num_pool_requests[worker.role] += 1
         try:
-            yield
+            with self.channels.using(worker.grpc_address) as channel:
+                yield channel
         finally:
             self.num_pool_requests[worker.role] -= 1
-            for counter, key in keys:
-                counter[key] -= 1
-                if not counter[key]:
-                    del counter[key]
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 << 20)]
-            )
-            self._channels[address] = channel
-        return channel
-
-    async def _release(self, handle: pb.KVHandle) -> None:
-        if not handle.release_address:
-            return
-        stub = pb_grpc.PrefillServiceStub(self._channel(handle.release_address))
-        try:
-            await stub.Release(
-                pb.ReleaseRequest(request_id=handle.request_id),
-                timeout=RELEASE_TIMEOUT_SECONDS,
-                metadata=self._metadata,
-            )
-        except grpc.aio.AioRpcError as exc:  # the lease frees the blocks anyway
-            log.info("Release of %s not delivered (%s)", handle.request_id, exc.code().name)
+            self.in_flight[worker.worker_id] -= 1
+            if not self.in_flight[worker.worker_id]:
+                del self.in_flight[worker.worker_id]
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def forget_channels(self) -> None:
+    async def forget_channels(self) -> None:
         """Close channels to addresses no worker in the view has any more and no call uses (a
         draining worker leaves the registry before its last streams end)."""
-        live = {w.grpc_address for w in self.view.workers(include_draining=True)}
-        for address in list(self._channels):
-            if address not in live and address not in self._busy:
-                self._spawn(self._channels.pop(address).close())
+        await self.channels.prune(w.grpc_address for w in self.view.workers(include_draining=True))
 
     async def close(self) -> None:
         await asyncio.gather(*self._background, return_exceptions=True)
-        for channel in self._channels.values():
-            await channel.close()
+        await self.channels.close()
 
 
 def _attempt_span(pool: Role, worker: WorkerRecord, attempt: int, request_id: str) -> Span:

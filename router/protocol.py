@@ -12,11 +12,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator
 
+from common.sampling_params import SamplingParams
 from router.errors import APIError
-from services.engine.sampling_params import SamplingParams
 
-MAX_N = 16
-MAX_STOP = 16
+# Structural caps: what the proto and the engine can hold. The configurable limits (n, prompts,
+# stop strings, ... see router.limits) are checked against the parsed body, below these.
+MAX_N = 1024
+MAX_STOP = 1024
+MAX_LOGPROBS = 20  # OpenAI's own bound
 INT64 = 2**63
 
 
@@ -116,12 +119,12 @@ class CompletionRequest(_SamplingFields):
 
     prompt: (
         Text
-        | Annotated[list[Text], Field(min_length=1, max_length=64)]
+        | Annotated[list[Text], Field(min_length=1)]
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -181,7 +184,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 

@@ -8,18 +8,19 @@ SIGINT/SIGTERM stop it gracefully (uvicorn finishes open responses for a few sec
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
 
 import uvicorn
+from prometheus_client import disable_created_metrics
 
-from pdserve.tracing import setup_tracing
+from common.ready import announce_ready
+from common.tracing import setup_tracing
+from common.wire import check_cluster_token
 from router.app import create_app
 from router.config import RouterConfig
 from router.gateway import Gateway, ModelInfo
-from services.worker.config import READY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +62,18 @@ async def serve(config: RouterConfig) -> None:
     if server.started:
         url = f"http://{config.host}:{port}"
         info = {"role": "router", "url": url, "port": port, "pid": os.getpid(), "model": model.name}
-        print(READY_PREFIX + json.dumps(info), flush=True)
+        announce_ready(info)
         log.info("serving %s at %s", model.name, url)
     await task
 
 
 def run_router(config: RouterConfig) -> None:
     """Entry point of ``pdserve router``."""
+    check_cluster_token(config.cluster_token, config.insecure)
+    disable_created_metrics()  # counters' *_created series only double what scrapes show
     logging.basicConfig(level=logging.INFO, format="%(asctime)s router %(levelname)s %(message)s")
+    if config.insecure:
+        log.warning("--insecure: the workers are called without a cluster token")
     tracer_provider = setup_tracing("pdserve-router", config.trace_file, config.otlp_endpoint)
     try:
         asyncio.run(serve(config))

@@ -176,6 +176,13 @@ class RedisServer:
         return f"redis://{auth}{HOST}:{self.port}/0"
 
     @property
+    def address(self) -> str:
+        """``redis://127.0.0.1:PORT/0``: ``url`` without the password (hand that over apart)."""
+        if self.port is None:
+            raise RedisServerError("the server has no port yet: call start() first")
+        return f"redis://{HOST}:{self.port}/0"
+
+    @property
     def pid(self) -> int | None:
         """Process id of the running server, None when stopped."""
         return self._proc.pid if self.is_running and self._proc else None

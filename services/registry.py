@@ -225,6 +225,7 @@ class RegistryConfig:
     """Where the registry lives and how fast it reacts; built once at the entry point."""
 
     redis_url: str = "redis://127.0.0.1:6379/0"
+    password: str | None = field(default=None, repr=False)  # else the URL's, if any
     prefix: str = "pdserve:"
     ttl_seconds: float = 5.0
     heartbeat_seconds: float = 1.0
@@ -277,8 +278,10 @@ def redact_url(url: str) -> str:
 
 def connect(config: RegistryConfig) -> aioredis.Redis:
     """An asyncio Redis client with bounded timeouts and one immediate retry (a new connection)."""
+    options: dict[str, Any] = {"password": config.password} if config.password else {}
     client: aioredis.Redis = aioredis.Redis.from_url(
         config.redis_url,
+        **options,
         decode_responses=True,
         socket_timeout=config.socket_timeout_seconds,
         socket_connect_timeout=config.connect_timeout_seconds,
@@ -294,7 +297,8 @@ def describe_error(exc: BaseException, config: RegistryConfig) -> str:
     if isinstance(exc, AuthenticationError) or text.startswith(("NOAUTH", "WRONGPASS")):
         return (
             f"Redis at {url} rejected authentication ({text}); "
-            "put the password in the URL: redis://:PASSWORD@HOST:PORT/0"
+            "give it as PDSERVE_REDIS_PASSWORD, --redis-password-file, or in the URL: "
+            "redis://:PASSWORD@HOST:PORT/0"
         )
     if isinstance(exc, asyncio.TimeoutError):
         return f"Redis at {url} did not answer within {config.command_timeout_seconds:.1f}s"

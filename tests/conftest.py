@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ import torch
 # Triton kernels run under the interpreter on machines without a GPU; set before triton loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The internal plane is authenticated by default: every worker and router these tests start
+# inherits one cluster token (tests of a missing or wrong token set their own environment).
+os.environ.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
 
 PROMPTS = [
     "The capital of France is",

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from pdserve import SamplingParams
 
@@ -45,16 +48,64 @@ def test_bad_input_is_a_message_not_a_traceback():
     assert proc.returncode == 2 and "max_tokens must be an integer >= 1" in proc.stderr
 
 
-def test_environment_variables_set_flag_defaults(monkeypatch):
-    import argparse
+def test_environment_variables_set_flag_defaults():
+    from pdserve.cli import engine_config_from_args, parse
 
-    from pdserve.cli import add_engine_args, engine_config_from_args
-
-    monkeypatch.setenv("PDSERVE_MAX_NUM_SEQS", "7")
-    monkeypatch.setenv("PDSERVE_NO_PREFIX_CACHING", "1")
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    config = engine_config_from_args(parser.parse_args([]))
+    env = {"PDSERVE_MAX_NUM_SEQS": "7", "PDSERVE_NO_PREFIX_CACHING": "1"}
+    config = engine_config_from_args(parse(["generate"], env))
     assert config.scheduler.max_num_seqs == 7 and not config.cache.enable_prefix_caching
-    config = engine_config_from_args(parser.parse_args(["--max-num-seqs", "9"]))
+    config = engine_config_from_args(parse(["generate", "--max-num-seqs", "9"], env))
     assert config.scheduler.max_num_seqs == 9
+
+
+def test_sizes_take_units_and_help_shows_defaults():
+    from pdserve.cli import engine_config_from_args, parse
+
+    config = engine_config_from_args(parse(["generate", "--kv-cache-memory", "512M"], {}))
+    assert config.cache.kv_cache_memory_bytes == 512 << 20
+    config = engine_config_from_args(parse(["generate"], {"PDSERVE_KV_CACHE_MEMORY": "2G"}))
+    assert config.cache.kv_cache_memory_bytes == 2 << 30
+    proc = run("up", "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())  # argparse wraps lines
+    port = "--port PORT the router's HTTP port (0: any free port) (default: 8000; env PDSERVE_PORT)"
+    assert port in text
+    assert "(default: 1G; env PDSERVE_KV_CACHE_MEMORY)" in text  # every engine flag, with units
+    assert "--max-num-seqs" in text and "--prefill-policy" in text
+    proc = run("decode", "--kv-cache-memory", "lots")
+    assert proc.returncode == 2
+    assert "'lots' is not a size: give bytes or a number with K, M, G or T" in proc.stderr
+
+
+def test_version():
+    proc = run("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("pdserve ")
+
+
+def test_a_worker_refuses_to_start_without_a_cluster_token():
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_CLUSTER_TOKEN"}
+    proc = subprocess.run(
+        [*CLI, "decode", *SMALL], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 2
+    assert "error: no cluster token: set PDSERVE_CLUSTER_TOKEN or --cluster-token-file" in (
+        proc.stderr
+    )
+    assert "--insecure" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_secrets_come_from_the_environment_or_a_file(tmp_path):
+    from pdserve.cli import parse, router_config_from_args
+
+    token_file = tmp_path / "token"
+    token_file.write_text("from-a-file\n")
+    config = router_config_from_args(parse(["router", "--cluster-token-file", str(token_file)], {}))
+    assert config.cluster_token == "from-a-file"
+    env = {"PDSERVE_CLUSTER_TOKEN": "from-env", "PDSERVE_REDIS_PASSWORD_FILE": str(token_file)}
+    config = router_config_from_args(parse(["router"], env))
+    assert config.cluster_token == "from-env" and config.redis_password == "from-a-file"
+    assert "from-env" not in repr(config)  # secrets stay out of logs
+    empty = tmp_path / "empty"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="the secret file .* is empty"):
+        router_config_from_args(parse(["router", "--cluster-token-file", str(empty)], {}))

@@ -25,7 +25,6 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest import mock
 from urllib.parse import urlparse
 
 import k8s_render
@@ -34,6 +33,7 @@ import pytest
 import yaml
 from kubernetes_validate.utils import latest_version
 
+from common.settings import env_name
 from pdserve import cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,15 +181,10 @@ def container_env(container: Object, pod: Object, objects: list[Object]) -> dict
 
 def command_parser(command: str, env: dict[str, str]) -> argparse.ArgumentParser:
     """The parser `pdserve <command>` builds, with ``env`` as the whole process environment."""
-    parser = argparse.ArgumentParser(prog=f"pdserve {command}")
-    with mock.patch.dict(os.environ, env, clear=True):
-        if command == "router":
-            cli.add_router_args(parser)
-        else:
-            assert command in WORKER_ROLES, command
-            cli.add_worker_args(parser)
-            cli.add_engine_args(parser)
-    return parser
+    assert command == "router" or command in WORKER_ROLES, command
+    parser = cli.make_parser(env)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return subparsers.choices[command]
 
 
 def parsed_command(container: Object, env: dict[str, str]) -> argparse.Namespace:
@@ -198,10 +193,11 @@ def parsed_command(container: Object, env: dict[str, str]) -> argparse.Namespace
 
 
 def flag_variables(command: str) -> set[str]:
-    """The PDSERVE_* variables `pdserve <command>` reads (one per flag, plus the cluster token)."""
+    """The PDSERVE_* variables `pdserve <command>` reads (one per flag, plus the secrets)."""
     parser = command_parser(command, {})
-    names = {"PDSERVE_" + action.dest.upper() for action in parser._actions}
-    return names | {"PDSERVE_CLUSTER_TOKEN"}  # read directly by the CLI, not a flag
+    flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    secrets = {"PDSERVE_CLUSTER_TOKEN", "PDSERVE_REDIS_PASSWORD"}
+    return {env_name(flag) for flag in flags} | secrets  # secrets are no flags
 
 
 def pre_stop_seconds(container: Object) -> float:

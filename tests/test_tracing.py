@@ -8,7 +8,6 @@ off (no SDK installed, nothing written, no header) unless asked for.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -22,7 +21,7 @@ import openai
 import pytest
 from opentelemetry import trace
 
-from pdserve import tracing
+from common import tracing
 from services.worker.launcher import WorkerProcess
 from tests.router.cluster import MODEL, Cluster, Router, spawn_router
 from tests.services.workers import SMALL
@@ -248,11 +247,9 @@ def test_tracing_is_off_unless_asked_for(traced, monkeypatch):  # type: ignore[n
     _, plain, trace_file = traced
     for name in ("PDSERVE_TRACE_FILE", "PDSERVE_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
         monkeypatch.delenv(name, raising=False)
-    from pdserve.cli import add_router_args, router_config_from_args
+    from pdserve.cli import parse, router_config_from_args
 
-    parser = argparse.ArgumentParser()
-    add_router_args(parser)
-    config = router_config_from_args(parser.parse_args([]))
+    config = router_config_from_args(parse(["router"], dict(os.environ)))
     assert config.trace_file is None and config.otlp_endpoint is None
     assert tracing.setup_tracing("pdserve-router", config.trace_file, config.otlp_endpoint) is None
     assert not tracing.is_enabled()
@@ -278,25 +275,21 @@ def test_tracing_is_off_unless_asked_for(traced, monkeypatch):  # type: ignore[n
 
 
 def test_up_passes_the_trace_file_to_every_component(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    from pdserve.cli import add_up_args
-    from pdserve.up import UpConfig
+    from pdserve.cli import parse, up_config_from_args
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("PDSERVE_TRACE_FILE", raising=False)
-    parser = argparse.ArgumentParser()
-    add_up_args(parser)
-    config = UpConfig.from_args(parser.parse_args(["--trace-file", "spans.jsonl"]))
+    config = up_config_from_args(parse(["up", "--trace-file", "spans.jsonl"], {}))
     flag = ["--trace-file", str(tmp_path / "spans.jsonl")]  # absolute: one file for all
     for args in (config.worker_args("redis://x"), config.router_args("redis://x")):
         assert any(args[i : i + 2] == flag for i in range(len(args))), args
-    config = UpConfig.from_args(parser.parse_args([]))
+    config = up_config_from_args(parse(["up"], {}))
     assert "--trace-file" not in config.worker_args("redis://x") + config.router_args("redis://x")
 
 
 WRITER = """
 import sys
 from opentelemetry.sdk.trace import TracerProvider
-from pdserve.tracing import JsonLinesSpanExporter
+from common.tracing import JsonLinesSpanExporter
 
 path, writer = sys.argv[1], sys.argv[2]
 tracer = TracerProvider().get_tracer("test")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import ParamSpec
 
@@ -31,22 +31,24 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
+from common import tracing
+from common.channels import ChannelPool
+from common.prefill_client import PrefillClient
+from common.sampling_params import SamplingParams
+from common.wire import logprobs_from_proto, params_from_proto
 from kvtransfer.base import KVLayout, KVTransferClient, TransferError, adapt_layout
-from pdserve import tracing
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from services.engine.llm_engine import PullPlan
+from services.engine.kv_handoff import PullPlan
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason, Sequence
-from services.prefill.service import layout_from_proto
-from services.worker.async_engine import AsyncEngine
+from services.worker.async_engine import AsyncEngine, OutputStream
 from services.worker.config import WorkerConfig
-from services.worker.convert import chunks_from_output, logprobs_from_proto, params_from_proto
+from services.worker.convert import chunks_from_output, layout_from_proto
+from services.worker.handles import HandleChecker
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-RELEASE_TIMEOUT_SECONDS = 2.0
 P = ParamSpec("P")
 
 
@@ -74,15 +76,18 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         layout: KVLayout,
         config: WorkerConfig,
         metrics: WorkerMetrics,
+        handles: HandleChecker,
     ):
         self.engine = engine
+        self.handles = handles
         self.client = client
         self.layout = layout
         self.config = config
         self.metrics = metrics
         self.num_active = 0
         self.draining = False
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.channels = ChannelPool()
+        self.prefill_client = PrefillClient(self.channels, config.cluster_token)
         self._background: set[asyncio.Task[None]] = set()
 
     async def Generate(  # noqa: N802 (gRPC method name)
@@ -125,35 +130,31 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         timeline: _Timeline,
     ) -> AsyncIterator[pb.GenerateChunk]:
         rid = request.request_id
-        queue = self.engine.open_stream(rid)
         try:
             if request.HasField("kv"):
-                finished, kv_source = await self._admit_prefilled(
-                    request, params, context, timeline
-                )
+                finished, stream = await self._add_prefilled(request, params, timeline)
             else:
-                timeline.seqs = await self.engine.call(
-                    self.engine.engine.add_request, rid, list(request.prompt_token_ids), params
-                )
+                prompt = list(request.prompt_token_ids)
+                stream, timeline.seqs = await self.engine.add_request(rid, prompt, params)
                 timeline.ready = timeline.seqs[0].arrival
-                finished, kv_source = None, "local"
-            timeline.kv_source = kv_source
-        except ValueError as exc:
-            self.engine.close_stream(rid)
+                finished = None
+        except ValueError as exc:  # refused: nothing of it was added
             self.metrics.requests.labels(outcome="invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except BaseException:
-            self.engine.close_stream(rid)
-            await asyncio.shield(self.engine.call(self.engine.engine.abort_request, rid))
-            raise
+        if finished is None and request.HasField("kv"):
+            try:
+                timeline.kv_source = await self._fill_kv(rid, request.kv, timeline, context)
+            except BaseException:
+                await asyncio.shield(self.engine.abort(rid))
+                raise
+        kv_source = timeline.kv_source
         if finished is not None:  # ended by its first token: nothing to decode
-            self.engine.close_stream(rid)
             for chunk in chunks_from_output(finished, kv_source, first=True):
                 yield chunk
             self.metrics.requests.labels(outcome="finished").inc()
             return
         first, last = True, time.perf_counter()
-        async for output in self.engine.outputs(rid, queue):
+        async for output in self.engine.outputs(rid, stream):
             for chunk in chunks_from_output(output, kv_source, first):
                 yield chunk
             now = time.perf_counter()
@@ -162,52 +163,71 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             first, last = False, now
         self.metrics.requests.labels(outcome="finished").inc()
 
-    async def _admit_prefilled(
-        self,
-        request: pb.GenerateRequest,
-        params: SamplingParams,
-        context: grpc.aio.ServicerContext,
-        timeline: _Timeline,
-    ) -> tuple[RequestOutput | None, str]:
-        """Reserve, pull and commit the prompt's KV; returns (final output if done, source)."""
-        handle, rid = request.kv, request.request_id
-        engine = self.engine.engine
-
-        def add() -> tuple[RequestOutput | None, list[Sequence]]:
-            finished = engine.add_prefilled_request(
-                rid,
+    async def _add_prefilled(
+        self, request: pb.GenerateRequest, params: SamplingParams, timeline: _Timeline
+    ) -> tuple[RequestOutput | None, OutputStream]:
+        """Queue the request for admission with its KV to be pulled (ValueError: refused; the
+        prefill worker is told to release at once, unless its handle is not to be trusted)."""
+        rejection = await self.handles.rejection(request.kv)
+        if rejection is not None:
+            raise ValueError(f"KV handle refused: {rejection}")
+        try:
+            finished, timeline.seqs, stream = await self.engine.add_prefilled(
+                request.request_id,
                 list(request.prompt_token_ids),
                 request.first_token,
                 params,
                 logprobs_from_proto(request.first_logprobs),
             )
-            return finished, engine.sequences(rid)
+        except BaseException:
+            self._spawn(self.prefill_client.release(request.kv))
+            raise
+        timeline.kv_source = "pulled"
+        if finished is not None:
+            self._spawn(self.prefill_client.release(request.kv))
+        return finished, stream
 
+    async def _fill_kv(
+        self,
+        rid: str,
+        handle: pb.KVHandle,
+        timeline: _Timeline,
+        context: grpc.aio.ServicerContext,
+    ) -> str:
+        """Wait for admission (renewing the prefill worker's lease meanwhile), then pull and
+        commit the prompt's KV; how it got there: pulled | recomputed."""
         try:
-            finished, timeline.seqs = await self.engine.call(add)
-            if finished is not None:
-                return finished, "pulled"
             with self.metrics.pull_seconds.time():
                 reserve = timeline.child("decode.reserve")
                 with tracing.ending(reserve):
-                    plan = await self._reserve(rid)
-                    reserve.set_attributes(
-                        {
-                            "pdserve.kv_blocks": len(plan.dest_block_ids),
-                            "pdserve.cached_tokens": plan.num_cached_tokens,
-                        }
-                    )
-                return None, await self._pull(plan, handle, timeline, context)
+                    plan = await self._admitted(rid, handle)
+                    if plan is not None:
+                        reserve.set_attributes(
+                            {
+                                "pdserve.kv_blocks": len(plan.dest_block_ids),
+                                "pdserve.cached_tokens": plan.num_cached_tokens,
+                            }
+                        )
+                if plan is None:  # the prefill worker's blocks are gone
+                    timeline.ready = await self.engine.recompute_pull(rid)
+                    self.metrics.pulls.labels(outcome="recomputed").inc()
+                    return "recomputed"
+                return await self._pull(plan, handle, timeline, context)
         finally:
-            self._spawn(self._release(handle))
+            self._spawn(self.prefill_client.release(handle))
 
-    async def _reserve(self, rid: str) -> PullPlan:
-        """Wait for room in the pool (backpressure, not failure) and reserve it."""
+    async def _admitted(self, rid: str, handle: pb.KVHandle) -> PullPlan | None:
+        """The plan once the scheduler admits the request (backpressure, not failure). While it
+        waits the prefill worker's lease is renewed, so a full pool delays the pull instead of
+        losing the prefill; None when the lease could not be renewed (the blocks are gone)."""
+        interval = max(0.05, self.config.lease_renew_seconds)
         while True:
-            plan = await self.engine.call(self.engine.engine.reserve_pull, rid)
-            if plan is not None:
-                return plan
-            await self.engine.wait_for_step(timeout=0.5)
+            try:
+                return await self.engine.pull_plan(rid, timeout=interval)
+            except asyncio.TimeoutError:
+                if not await self.prefill_client.renew_lease(handle):
+                    log.warning("lease of %s not renewed; computing here", rid)
+                    return None
 
     async def _pull(
         self,
@@ -216,7 +236,6 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         timeline: _Timeline,
         context: grpc.aio.ServicerContext,
     ) -> str:
-        engine = self.engine.engine
         span = timeline.child("kv.transfer", SpanKind.CLIENT)
         with tracing.ending(span):  # cancelled mid-pull: an error, outcome "failed"
             span.set_attributes(
@@ -250,11 +269,11 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 self.metrics.pulls.labels(outcome="failed").inc()
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull failed: {error}")
             log.warning("KV pull of %s failed (%s); recomputing the prompt", plan.request_id, error)
-            recompute = _stamped(engine.recompute_pull)
-            timeline.ready = await self.engine.call(recompute, plan.request_id)
+            timeline.ready = await self.engine.recompute_pull(plan.request_id)
             self.metrics.pulls.labels(outcome="recomputed").inc()
             return "recomputed"
-        timeline.ready = await self.engine.call(_stamped(engine.commit_pull), plan, blocks)
+        assert blocks is not None
+        timeline.ready = await self.engine.commit_pull(plan, blocks)
         self.metrics.pulls.labels(outcome="pulled").inc()
         return "pulled"
 
@@ -287,27 +306,12 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         adapted = adapt_layout(blocks, source_layout, self.layout, handle.num_tokens)
         return adapted[plan.block_indices], blocks.nbytes
 
-    async def _release(self, handle: pb.KVHandle) -> None:
-        """Tell the prefill worker its blocks may go (best effort: its lease is the backstop)."""
-        if not handle.release_address:
-            return
-        channel = self._channels.get(handle.release_address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(handle.release_address)
-            self._channels[handle.release_address] = channel
-        stub = pb_grpc.PrefillServiceStub(channel)
-        try:
-            await stub.Release(
-                pb.ReleaseRequest(request_id=handle.request_id),
-                timeout=RELEASE_TIMEOUT_SECONDS,
-                metadata=self._metadata(),
-            )
-        except grpc.aio.AioRpcError as exc:
-            log.info("Release of %s not delivered (%s)", handle.request_id, exc.code().name)
-
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        token = self.config.cluster_token
-        return (("x-pdserve-token", token),) if token else ()
+    async def prune_channels(self, interval: float = 30.0) -> None:
+        """Close channels to prefill workers that left (runs for the worker's lifetime)."""
+        while True:
+            await asyncio.sleep(interval)
+            if self.handles.view is not None:
+                await self.channels.prune(self.handles.live_addresses())
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
@@ -316,19 +320,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
 
     async def close(self) -> None:
         await asyncio.gather(*self._background, return_exceptions=True)
-        for channel in self._channels.values():
-            await channel.close()
-
-
-def _stamped(fn: Callable[P, object]) -> Callable[P, float]:
-    """``fn`` returning the time it ran at: an engine call's moment, not when its caller resumed
-    (a step may have started in between)."""
-
-    def run(*args: P.args, **kwargs: P.kwargs) -> float:
-        fn(*args, **kwargs)
-        return time.monotonic()
-
-    return run
+        await self.channels.close()
 
 
 def _trace_decode(timeline: _Timeline) -> None:

@@ -50,7 +50,18 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks some sequence references."""
         return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_empty_blocks(self) -> int:
+        """Blocks holding nothing at all."""
+        return len(self._free_ids)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Blocks no sequence references that keep a reusable prefix until evicted."""
+        return len(self._evictable)
 
     @property
     def num_cached_blocks(self) -> int:

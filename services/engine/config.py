@@ -1,21 +1,21 @@
 """Frozen configuration objects for the engine, one per component.
 
-Built once at the entry point (CLI flags / env vars) and passed down; nothing below reads the
-environment.
+Each setting is declared once, here, on its field (``common.settings``): the CLI flags and
+``PDSERVE_*`` variables are generated from these fields at the entry point, and the objects are
+passed down; nothing below reads the environment. Torch-free, so every entry point (the router
+included) can build them without loading the engine.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import torch
+from common.settings import parse_size, setting
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pdserve"
 
 
 def default_num_threads() -> int:
@@ -75,12 +75,19 @@ class ModelConfig:
 class CacheConfig:
     """The paged KV pool: how many blocks of how many tokens."""
 
-    block_size: int = 16
-    num_blocks: int | None = None  # None: derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 << 30
-    enable_prefix_caching: bool = True
-    # Host-memory blocks for swap preemption; 0 disables swapping.
-    num_swap_blocks: int = 0
+    block_size: int = setting(16, "tokens per KV block")
+    num_blocks: int | None = setting(None, "KV blocks in the pool (none: from --kv-cache-memory)")
+    kv_cache_memory_bytes: int = setting(
+        1 << 30,
+        "memory for the KV pool when --num-blocks is not given (bytes, or 512M, 2G ...)",
+        flag="--kv-cache-memory",
+        parse=parse_size,
+        metavar="SIZE",
+    )
+    enable_prefix_caching: bool = setting(
+        True, "turn the prefix cache off", flag="--no-prefix-caching"
+    )
+    num_swap_blocks: int = setting(0, "host-memory blocks for swap preemption (0: no swapping)")
     # Keep the KV pool in this file (under /dev/shm) so same-host peers can map it (shm transport).
     shared_memory_path: str | None = None
 
@@ -95,10 +102,16 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits."""
 
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
+    max_num_seqs: int = setting(64, "sequences in the running batch, at most")
+    max_num_batched_tokens: int = setting(2048, "tokens computed per step, at most")
+    enable_chunked_prefill: bool = setting(
+        True, "compute each prompt in one step (no chunks)", flag="--no-chunked-prefill"
+    )
+    preemption_mode: str = setting(
+        "recompute",
+        "what a preempted sequence loses: its KV (recompute) or its place (swap to host memory)",
+        choices=("recompute", "swap"),
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -117,21 +130,31 @@ class SchedulerConfig:
 class EngineConfig:
     """Everything an engine needs; one object built at the entry point."""
 
-    model: str | None = None  # HF directory, GGUF file, or None for the default model
-    dtype: str = "float32"
-    device: str = "cpu"
-    num_threads: int = field(default_factory=default_num_threads)
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
+    model: str | None = setting(
+        None, "Hugging Face directory or GGUF file (none: SmolLM2-135M-Instruct)"
+    )
+    dtype: str = setting("float32", "weights, activations and KV cache", choices=DTYPES)
+    device: str = setting("cpu", "torch device of the model and KV cache: cpu, cuda, cuda:1 ...")
+    num_threads: int = setting(
+        default_factory=default_num_threads,
+        help="torch threads of this process (default: the cores it may run on)",
+        flag="--threads",
+    )
+    max_model_len: int | None = setting(None, "context length (none: the model's own)")
+    seed: int = setting(0, "seed of the sampler for requests without a seed of their own")
+    cache_dir: str | None = setting(
+        None, "converted models and compiled CPU kernels (none: ~/.cache/pdserve)"
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def cache_path(self) -> Path:
+        """``cache_dir``, or ~/.cache/pdserve."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else DEFAULT_CACHE_DIR

@@ -3,76 +3,42 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
-from services.engine.config import CacheConfig, EngineConfig, SchedulerConfig, default_num_threads
+from common.sampling_params import SamplingParams
+from common.settings import from_fields
+from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
-from services.engine.sampling_params import SamplingParams
 
 
 class LLM:
     """Batch generation for scripts, tests, benchmarks and notebooks.
 
-    ``LLM()`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments set the engine:
-    ``dtype``, ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``,
-    ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``enable_chunked_prefill``, ``preemption_mode``, ``num_swap_blocks``, ``num_threads``,
-    ``max_model_len``, ``seed``.
+    ``LLM()`` loads the default model (SmolLM2-135M-Instruct). Keyword arguments are the
+    fields of the engine's configs (``EngineConfig``, ``CacheConfig``, ``SchedulerConfig``) by
+    name: ``dtype``, ``num_threads``, ``max_model_len``, ``seed``, ``cache_dir``,
+    ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``, ``enable_prefix_caching``,
+    ``num_swap_blocks``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``enable_chunked_prefill``, ``preemption_mode``.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "float32",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
-        enable_prefix_caching: bool = True,
-        num_swap_blocks: int = 0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        preemption_mode: str = "recompute",
-        num_threads: int | None = None,
-        max_model_len: int | None = None,
-        seed: int = 0,
-        cache_dir: str | None = None,
-    ):
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            num_threads=num_threads or default_num_threads(),
-            max_model_len=max_model_len,
-            seed=seed,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                enable_prefix_caching=enable_prefix_caching,
-                num_swap_blocks=num_swap_blocks,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-                preemption_mode=preemption_mode,
-            ),
-        )
-        self._start(config, Path(cache_dir) if cache_dir else None)
+    def __init__(self, model: str | None = None, **options: Any):
+        if options.get("num_threads") is None:  # None: the cores this process may run on
+            options.pop("num_threads", None)
+        self._start(from_fields(EngineConfig, model=model, **options))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, cache_dir: Path | None = None) -> LLM:
+    def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM for an already built EngineConfig (what the CLI makes from its flags)."""
         llm = cls.__new__(cls)
-        llm._start(config, cache_dir)
+        llm._start(config)
         return llm
 
-    def _start(self, config: EngineConfig, cache_dir: Path | None) -> None:
-        self.engine = LLMEngine(config, cache_dir)
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
         self._next_id = 0
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
@@ -112,14 +78,18 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}  # the step's deltas, merged
+        num_finished = 0
         with tqdm(total=len(ids), desc="generating", disable=not use_tqdm) as bar:
-            while len(finished) < len(ids):
-                for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+            while num_finished < len(ids):
+                for delta in self.engine.step():
+                    merged = results.setdefault(delta.request_id, delta)
+                    if merged is not delta:
+                        merged.merge(delta)
+                    if delta.finished:
+                        num_finished += 1
                         bar.update(1)
-        return [finished[i] for i in ids]
+        return [results[i] for i in ids]
 
 
 def _as_prompt_list(prompts: object) -> list[str | list[int]]:

@@ -68,6 +68,12 @@ class ModelRunner:
             src, dst = zip(*batch.blocks_to_copy)
             self.kv_cache[list(dst)] = self.kv_cache[list(src)]
 
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Store whole blocks computed elsewhere (pulled KV) at ``block_ids``."""
+        if block_ids:
+            dest = torch.tensor(block_ids, device=self.kv_cache.device)
+            self.kv_cache[dest] = blocks.to(self.kv_cache)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         """Logits ``[num_completed, vocab]`` and the sequences they belong to."""

@@ -4,7 +4,9 @@ Order of operations: raw log-probabilities (returned with ``logprobs``) -> repet
 and presence penalties -> greedy rows take the argmax -> temperature -> top-k, top-p, min-p ->
 a draw. Draws use the exponential-race trick (argmax of p / Exp(1)), which is equivalent to
 sampling from p and lets a seeded request use its own generator, so its output does not depend
-on what else is in the batch.
+on what else is in the batch. The sampler owns those generators: one per seeded sequence,
+created at its first draw (seeded with ``sequence_seed(seed, index)``) and dropped by
+``forget`` when the sequence ends.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.sampling_params import sequence_seed
 from services.engine.sequence import Sequence
 
 
@@ -27,6 +30,20 @@ class Sampler:
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> its own (seeded requests)
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` has ended: drop its generator."""
+        self._generators.pop(seq.seq_id, None)
+
+    def _generator_of(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self.generator
+        generator = self._generators.get(seq.seq_id)
+        if generator is None:
+            seed = sequence_seed(seq.params.seed, seq.index)
+            generator = self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
+        return generator
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -61,8 +78,7 @@ class Sampler:
         probs = torch.softmax(logits, dim=-1)
         noise = torch.empty_like(probs)
         for i, seq in enumerate(seqs):
-            generator = seq.generator if seq.generator is not None else self.generator
-            noise[i].exponential_(generator=generator)
+            noise[i].exponential_(generator=self._generator_of(seq))
         return (probs / noise).argmax(dim=-1)
 
 

@@ -6,6 +6,14 @@ first (decode before new prefills), oldest first; then swapped sequences come ba
 ones are admitted while the budget, ``max_num_seqs`` and free blocks allow. A prompt larger than
 what is left of the budget is split into chunks (chunked prefill) unless that is disabled.
 
+A waiting sequence whose prompt KV comes from a prefill worker (``kv_from_remote``) is admitted
+by the same rule, under the same ``max_num_seqs`` and free-block checks, but instead of computing
+its prompt it gets blocks reserved for the KV (all tokens but the last, minus what the prefix
+cache holds) and becomes PULLING, listed in the batch's ``pulls``; ``commit_pull`` then makes it
+RUNNING with that KV in place, or ``recompute_pull`` sends it back to compute its prompt here.
+PULLING sequences count against ``max_num_seqs``: they are about to run. ``pin`` takes a prefill
+worker's finished-computing sequence out of the batch, keeping its blocks (PINNED).
+
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later (default), or its blocks are copied
 to host memory and back (``preemption_mode="swap"``). Finished sequences leave at once.
@@ -33,6 +41,7 @@ class ScheduledBatch:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    pulls: list[Sequence] = field(default_factory=list)  # admitted to PULLING this step
     num_preempted: int = 0
 
     @property
@@ -65,17 +74,25 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
+        self.pulling: list[Sequence] = []  # blocks reserved, KV on its way
         self._host_tables: dict[int, list[int]] = {}  # seq_id -> host block ids
         self.num_preemptions = 0
         self.num_swapped_out = 0
 
     @property
     def has_unfinished(self) -> bool:
+        """Whether a step could have something to do (PULLING sequences wait for their KV)."""
         return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.swapped)
+        """Sequences not running yet: queued, swapped out, or waiting for their pulled KV."""
+        return len(self.waiting) + len(self.swapped) + len(self.pulling)
+
+    @property
+    def num_admitted(self) -> int:
+        """What ``max_num_seqs`` bounds: running sequences and those about to run."""
+        return len(self.running) + len(self.pulling)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -115,7 +132,7 @@ class Scheduler:
 
     def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
         assert self.host_pool is not None or not self.swapped
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.swapped and budget > 0 and self.num_admitted < self.config.max_num_seqs:
             seq = self.swapped[0]
             host_ids = self._host_tables[seq.seq_id]
             num_new = min(seq.num_uncomputed_tokens, budget)
@@ -138,10 +155,19 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         block_size = self.pool.block_size
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_admitted < self.config.max_num_seqs:
             seq = self.waiting[0]
             prefix = self.pool.find_cached_prefix(seq)
             num_new = seq.num_tokens - len(prefix) * block_size
+            if seq.kv_from_remote:  # reserve room for its KV; the last token is computed here
+                if not self.pool.can_allocate(seq, num_new - 1, prefix):
+                    break
+                self.waiting.popleft()
+                self.pool.allocate(seq, num_new - 1, prefix)
+                seq.status = SequenceStatus.PULLING
+                self.pulling.append(seq)
+                batch.pulls.append(seq)
+                continue
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -193,11 +219,30 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
 
-    def detach(self, seq: Sequence) -> None:
-        """Take a running sequence out of the batch without freeing its blocks (pinning)."""
+    def pin(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch, keeping its blocks (PINNED)."""
         self.running.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+        seq.status = SequenceStatus.PINNED
         seq.finished_time = time.monotonic()
+
+    def commit_pull(self, seq: Sequence) -> None:
+        """``seq``'s KV is in its reserved blocks: it runs from its last token on."""
+        self.pulling.remove(seq)
+        seq.kv_from_remote = False
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.pool.cache_full_blocks(seq)
+        self.add_running(seq)
+
+    def recompute_pull(self, seq: Sequence) -> None:
+        """``seq`` computes its prompt here after all (its pull failed, or will not happen):
+        its reservation, if it has one, is freed and it waits at the front of the queue."""
+        if seq.status == SequenceStatus.PULLING:
+            self.pulling.remove(seq)
+            self.pool.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        seq.kv_from_remote = False
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Retire ``seq`` at once and free its blocks (device and host)."""
@@ -205,6 +250,8 @@ class Scheduler:
             return
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status == SequenceStatus.PULLING:
+            self.pulling.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
@@ -217,5 +264,5 @@ class Scheduler:
         seq.finished_time = time.monotonic()
 
     def sequences_of(self, request_id: str) -> list[Sequence]:
-        everything = [*self.running, *self.waiting, *self.swapped]
+        everything = [*self.running, *self.waiting, *self.swapped, *self.pulling]
         return [s for s in everything if s.request_id == request_id]

@@ -1,8 +1,18 @@
 """One generation stream: its tokens and a few counters.
 
-Lifecycle: WAITING -> RUNNING -> FINISHED, with RUNNING -> WAITING on preemption (recompute) or
-RUNNING -> SWAPPED -> RUNNING (swap). The scheduler gives a sequence tokens from each step's
-budget until ``num_computed_tokens == num_tokens``; then the step samples its next token.
+Lifecycle::
+
+    WAITING -> RUNNING -> FINISHED          (RUNNING -> WAITING on preemption by recompute,
+                                             RUNNING -> SWAPPED -> RUNNING by swap)
+    prefill worker:  RUNNING -> PINNED -> FINISHED   (first token sampled; the prompt's blocks
+                                                      are kept until released or expired)
+    decode worker:   WAITING -> PULLING -> RUNNING   (admitted: blocks reserved for the prompt's
+                                                      KV, which is pulled from the prefill
+                                                      worker; or back to WAITING to recompute)
+
+The scheduler gives a RUNNING sequence tokens from each step's budget until
+``num_computed_tokens == num_tokens``; then the step samples its next token. Plain data: no
+tensors, no random generators (the sampler keeps those).
 """
 
 from __future__ import annotations
@@ -10,15 +20,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     SWAPPED = "swapped"
+    PINNED = "pinned"  # prefill-only: done computing, blocks kept for a decode worker to pull
+    PULLING = "pulling"  # blocks reserved for KV computed elsewhere, not yet in place
     FINISHED = "finished"
 
 
@@ -47,7 +57,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    # Disaggregation: a prefill-only sequence is pinned after its first token; a pulled one is
+    # admitted for its prompt's KV (all tokens but the last) instead of computing it.
+    pin_blocks: bool = False
+    kv_from_remote: bool = False
     # n > 1: the first sequence computes the prompt and is forked into the others once.
     num_forks_pending: int = 0
     # Disaggregated n > 1: the token the prefill worker already sampled for this sequence is
@@ -112,6 +125,4 @@ class Sequence:
             logprobs=list(self.logprobs),
             first_scheduled_time=self.first_scheduled_time,
         )
-        if self.params.seed is not None:
-            child.generator = torch.Generator().manual_seed(self.params.seed + index)
         return child

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.engine.model.gguf_convert import ModelLoadError
+from services.engine.model.source import ModelLoadError
 
 
 class Tokenizer:

@@ -2,7 +2,9 @@
 
 A request's life here: queued -> computing (chunked prefill in the engine's batch, prefix cache
 reused) -> first token sampled -> pinned (lease granted, KVHandle returned) -> released by the
-decode worker, or expired when its lease runs out. Nothing stays pinned past its lease.
+decode worker, or expired when its lease runs out. Nothing stays pinned past its lease, and
+nothing is freed while a transfer reads it: the lease table (``TensorBlockSource``) calls back
+to free the engine's blocks once the last transfer reading them is done.
 
 Traced as a ``prefill`` span (a child of the router's call, from the call's metadata) with
 ``prefill.queue`` (admitted -> first scheduled) and ``prefill.compute`` (first scheduled -> first
@@ -19,14 +21,16 @@ import time
 import grpc
 from opentelemetry.trace import Span
 
+from common import tracing
+from common.wire import logprobs_to_proto, params_from_proto
 from kvtransfer.base import KVLayout, block_checksums
 from kvtransfer.source import TensorBlockSource
-from pdserve import tracing
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from services.engine.outputs import RequestOutput
 from services.engine.sequence import Sequence
 from services.worker.async_engine import AsyncEngine
-from services.worker.convert import logprobs_to_proto, params_from_proto
+from services.worker.convert import layout_to_proto
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -95,11 +99,11 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         rid = request.request_id
         with self.metrics.prefill_seconds.time():
             try:
-                queue, seqs = await self.engine.add_request(
+                stream, seqs = await self.engine.add_request(
                     rid, list(request.token_ids), params, pin_blocks=True
                 )
-                async for output in self.engine.outputs(rid, queue):
-                    final = output
+                async for output in self.engine.outputs(rid, stream):
+                    final = output if final is None else _merged(final, output)
             except ValueError as exc:
                 self.metrics.requests.labels(outcome="invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -146,12 +150,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        released = self.leases.release(request.request_id)
-        if released:  # shielded: the lease is gone, so a cancelled call would pin them for good
-            await asyncio.shield(
-                self.engine.call(self.engine.engine.release_pinned, request.request_id)
-            )
-        return pb.ReleaseResponse(released=released)
+        # The blocks go back to the engine when no transfer reads them any more (``on_unpin``).
+        return pb.ReleaseResponse(released=self.leases.release(request.request_id))
 
     async def RenewLease(  # noqa: N802
         self, request: pb.RenewLeaseRequest, context: grpc.aio.ServicerContext
@@ -162,13 +162,18 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         return pb.RenewLeaseResponse(renewed=True, lease_expires_unix_ms=expires)
 
     async def reap_expired_leases(self, interval: float = 0.2) -> None:
-        """Free the blocks of every lease that ran out (runs for the worker's lifetime)."""
+        """End every lease that ran out (runs for the worker's lifetime); the blocks go back
+        to the engine once no transfer reads them (``on_unpin``)."""
         while True:
             for request_id in self.leases.expire():
                 log.info("lease of %s expired; freeing its blocks", request_id)
                 self.metrics.lease_expirations.inc()
-                await self.engine.call(self.engine.engine.release_pinned, request_id)
             await asyncio.sleep(interval)
+
+
+def _merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    first.merge(later)
+    return first
 
 
 def _trace_prefill(span: Span, seq: Sequence, num_cached_tokens: int, num_blocks: int) -> None:
@@ -192,17 +197,3 @@ def _trace_prefill(span: Span, seq: Sequence, num_cached_tokens: int, num_blocks
 
 def _unix_ms_in(seconds: float) -> int:
     return int((time.time() + seconds) * 1000)
-
-
-def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
-    return pb.KVLayout(
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size=layout.block_size,
-        dtype=layout.dtype,
-    )
-
-
-def layout_from_proto(msg: pb.KVLayout) -> KVLayout:
-    return KVLayout(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)

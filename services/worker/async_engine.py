@@ -2,24 +2,55 @@
 
 The engine is not thread-safe, so it is touched in exactly two ways: ``engine.step()`` runs on a
 dedicated thread (so the event loop stays responsive while the model computes), and every other
-engine call is queued with ``call()`` and applied by the loop between two steps. Outputs are
-routed to a bounded per-request queue that the caller iterates.
+engine call is queued and applied by the loop between two steps, through the named methods
+below. Each request's outputs go to its ``OutputStream``, which merges the deltas a slow
+consumer has not read yet into one output: memory per request is bounded by its answer, never
+by how far the consumer lags, and the step loop never waits for a consumer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import torch
+
+from common.sampling_params import SamplingParams
+from services.engine.kv_handoff import PullPlan
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
 from services.engine.sequence import Sequence
+from services.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+IDLE_POLL_SECONDS = 0.05  # an idle loop (nothing admissible) looks again this often at most
+
+
+class OutputStream:
+    """One request's outputs, for one consumer; unread deltas are merged, never queued."""
+
+    def __init__(self) -> None:
+        self._pending: RequestOutput | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, output: RequestOutput) -> None:
+        if self._pending is None:
+            self._pending = output
+        else:
+            self._pending.merge(output)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        self._ready.clear()
+        output, self._pending = self._pending, None
+        assert output is not None
+        return output
 
 
 class AsyncEngine:
@@ -28,11 +59,12 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, OutputStream] = {}
+        self._plans: dict[str, asyncio.Future[PullPlan]] = {}
         self._wake = asyncio.Event()
-        self._stepped = asyncio.Condition()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
+        self._stats = engine.stats()
         self.num_steps = 0
 
     def start(self) -> None:
@@ -44,72 +76,127 @@ class AsyncEngine:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+    def stats(self) -> EngineStats:
+        """The engine's state after the last step or command (safe from any thread)."""
+        return self._stats
+
+    # ----- requests -----------------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        pin_blocks: bool = False,
+    ) -> tuple[OutputStream, list[Sequence]]:
+        """Add a request (ValueError for bad input or an id in use; nothing left behind);
+        returns its stream for ``outputs`` and its sequences, whose timestamps may be read
+        once it is over."""
+        stream = self._open(request_id)
+        try:
+            seqs = await self._call(
+                self.engine.add_request, request_id, prompt, params, pin_blocks
+            )
+        except BaseException as exc:
+            self._streams.pop(request_id, None)
+            if not isinstance(exc, ValueError):  # cancelled, perhaps after the engine took it
+                await asyncio.shield(self.abort(request_id))
+            raise
+        return stream, seqs
+
+    async def outputs(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
+        """Yield ``request_id``'s outputs until it finishes; abort it if the caller goes away."""
+        finished = False
+        try:
+            while not finished:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # cancelled (client gone) or failed: free its blocks now
+                await asyncio.shield(self.abort(request_id))
+
+    async def generate(
+        self, request_id: str, prompt: list[int], params: SamplingParams, pin_blocks: bool = False
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and stream its outputs (ValueError for bad input, nothing left behind)."""
+        stream, _ = await self.add_request(request_id, prompt, params, pin_blocks)
+        async for output in self.outputs(request_id, stream):
+            yield output
+
+    async def abort(self, request_id: str) -> None:
+        """Stop ``request_id`` and free whatever it holds (pinned blocks included)."""
+        self._streams.pop(request_id, None)
+        plan = self._plans.pop(request_id, None)
+        if plan is not None and not plan.done():
+            plan.cancel()
+        await self._call(self.engine.abort_request, request_id)
+
+    # ----- disaggregation ---------------------------------------------------------------------
+    async def release_pinned(self, request_id: str) -> bool:
+        return await self._call(self.engine.release_pinned, request_id)
+
+    async def add_prefilled(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token: int,
+        params: SamplingParams,
+        first_logprobs: dict[int, float] | None,
+    ) -> tuple[RequestOutput | None, list[Sequence], OutputStream]:
+        """Queue a request whose prompt KV is pulled (``pull_plan`` says when and which blocks);
+        (its final output when the first token ended it, its sequences, its stream)."""
+        stream = self._open(request_id)
+        self._plans[request_id] = asyncio.get_running_loop().create_future()
+
+        def add() -> tuple[RequestOutput | None, list[Sequence]]:
+            args = (request_id, prompt_token_ids, first_token, params, first_logprobs)
+            done = self.engine.add_prefilled_request(*args)
+            return done, self.engine.sequences(request_id)
+
+        try:
+            finished, seqs = await self._call(add)
+        except BaseException as exc:
+            self._streams.pop(request_id, None)
+            self._plans.pop(request_id, None)
+            if not isinstance(exc, ValueError):  # cancelled, perhaps after the engine took it
+                await asyncio.shield(self.abort(request_id))
+            raise
+        if finished is not None:
+            self._streams.pop(request_id, None)
+            self._plans.pop(request_id, None)
+        return finished, seqs, stream
+
+    async def pull_plan(self, request_id: str, timeout: float | None = None) -> PullPlan:
+        """Wait until the scheduler admits the request (TimeoutError after ``timeout``; ask
+        again: the admission is still pending)."""
+        future = self._plans[request_id]
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+
+    async def commit_pull(self, plan: PullPlan, blocks: torch.Tensor) -> float:
+        """The pulled blocks go in; returns when (``time.monotonic()``) the request could run."""
+        self._plans.pop(plan.request_id, None)
+        return await self._call(_stamped(self.engine.commit_pull), plan, blocks)
+
+    async def recompute_pull(self, request_id: str) -> float:
+        """Compute the prompt here instead (also before admission); returns when it was queued."""
+        self._plans.pop(request_id, None)
+        return await self._call(_stamped(self.engine.recompute_pull), request_id)
+
+    # ----- the loop -------------------------------------------------------------------------
+    def _open(self, request_id: str) -> OutputStream:
+        if request_id in self._streams:  # refused before anything of the first one is touched
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = self._streams[request_id] = OutputStream()
+        return stream
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the engine between two steps and return its result."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._pending.append((fn, args, future))
         self._wake.set()
         return await future
 
-    async def wait_for_step(self, timeout: float) -> None:
-        """Wait until the next step ends (or ``timeout`` seconds pass)."""
-        async with self._stepped:
-            try:
-                await asyncio.wait_for(self._stepped.wait(), timeout)
-            except asyncio.TimeoutError:
-                pass
-
-    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """Register where ``request_id``'s outputs go (before the request can produce any)."""
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._streams[request_id] = queue
-        return queue
-
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-
-    async def outputs(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield ``request_id``'s outputs until it finishes; abort it if the caller goes away."""
-        finished = False
-        try:
-            while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield output
-        finally:
-            self.close_stream(request_id)
-            if not finished:  # cancelled (client gone) or failed: free its blocks now
-                await asyncio.shield(self.call(self.engine.abort_request, request_id))
-
-    async def add_request(
-        self, request_id: str, prompt: list[int], params: Any, pin_blocks: bool = False
-    ) -> tuple[asyncio.Queue[RequestOutput], list[Sequence]]:
-        """Open the request's stream and add it (ValueError for bad input, nothing left
-        behind); returns the stream for ``outputs`` and the request's sequences, whose
-        timestamps may be read once it is over."""
-        queue = self.open_stream(request_id)
-        try:
-            seqs = await self.call(self.engine.add_request, request_id, prompt, params, pin_blocks)
-        except ValueError:  # refused: nothing was added
-            self.close_stream(request_id)
-            raise
-        except BaseException:  # cancelled, perhaps after the engine took it: take it back
-            self.close_stream(request_id)
-            await asyncio.shield(self.call(self.engine.abort_request, request_id))
-            raise
-        return queue, seqs
-
-    async def generate(
-        self, request_id: str, prompt: list[int], params: Any, pin_blocks: bool = False
-    ) -> AsyncIterator[RequestOutput]:
-        """Add a request and stream its outputs (ValueError for bad input, nothing left behind)."""
-        queue, _ = await self.add_request(request_id, prompt, params, pin_blocks)
-        async for output in self.outputs(request_id, queue):
-            yield output
-
-    # ----- the loop -------------------------------------------------------------------------
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -126,11 +213,23 @@ class AsyncEngine:
                 outputs = self._abort_all()
             self.num_steps += 1
             for output in outputs:
-                queue = self._streams.get(output.request_id)
-                if queue is not None:
-                    queue.put_nowait(output)
-            async with self._stepped:
-                self._stepped.notify_all()
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put(output)
+            admitted = self._deliver_plans()
+            self._stats = self.engine.stats()
+            if not self.engine.scheduler.running and not admitted:  # nothing admissible now
+                self._wake.clear()
+                if not self._pending:
+                    await _wait(self._wake, IDLE_POLL_SECONDS)
+
+    def _deliver_plans(self) -> int:
+        plans = self.engine.take_pull_plans()
+        for plan in plans:
+            future = self._plans.get(plan.request_id)
+            if future is not None and not future.done():
+                future.set_result(plan)
+        return len(plans)
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []
@@ -141,8 +240,28 @@ class AsyncEngine:
                 future.set_result(fn(*args))
             except Exception as exc:  # delivered to the caller, e.g. ValueError for bad input
                 future.set_exception(exc)
+        if pending:
+            self._stats = self.engine.stats()
 
     def _abort_all(self) -> list[RequestOutput]:
         running = {s.request_id for s in self.engine.scheduler.running}
         aborted = [self.engine.abort_request(rid) for rid in running]
         return [out for out in aborted if out is not None]
+
+
+def _stamped(fn: Callable[..., object]) -> Callable[..., float]:
+    """``fn`` returning the time it ran at: an engine call's moment, not when its caller resumed
+    (a step may have started in between)."""
+
+    def run(*args: Any) -> float:
+        fn(*args)
+        return time.monotonic()
+
+    return run
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass

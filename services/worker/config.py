@@ -6,10 +6,11 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
+from common.settings import secret, setting
 from services.engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "colocated")
-READY_PREFIX = "PDSERVE_READY "  # the line a worker prints once it listens
+TRANSPORTS = ("tcp", "shm", "torch", "ucx")
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")  # bind to every interface: not an address to dial
 
 
@@ -40,28 +41,66 @@ def reachable_host(bind_host: str) -> str:
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """One worker process: its role, engine, addresses, registry, leases and timeouts."""
+
     role: str
     engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"  # bind address; 0.0.0.0 in containers
-    advertise_host: str | None = None  # the address peers use (default: reachable_host(host))
-    grpc_port: int = 0  # 0: ephemeral
-    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0: ephemeral, -1: off
-    kv_transport: str = "tcp"
-    redis_url: str | None = None  # None: no registration (tests, single process)
-    redis_prefix: str = "pdserve:"
-    heartbeat_seconds: float = 1.0
-    ttl_seconds: float = 5.0
-    worker_id: str | None = None
-    cluster_token: str | None = None
-    lease_seconds: float = 5.0  # prefill: pinned blocks are freed this long after the answer
-    pull_timeout_seconds: float = 10.0  # decode: a pull taking longer counts as failed
-    on_pull_failure: str = "recompute"  # decode: "recompute" the prompt locally, or "fail"
-    verify_checksums: bool = True
-    max_pending_requests: int = 256  # requests admitted but not finished; more get UNAVAILABLE
-    drain_seconds: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
-    trace_file: str | None = None  # append finished spans here as JSON lines
-    otlp_endpoint: str | None = None  # export spans with OTLP/gRPC to this collector
-    kv_faults: str | None = None  # fault injection on served KV pulls, "drop=0.1,corrupt=0.1"
+    host: str = setting("127.0.0.1", "bind address (0.0.0.0 in containers)")
+    advertise_host: str | None = setting(
+        None,
+        "address peers use to reach this worker (none: --host, or this host's address when "
+        "--host is 0.0.0.0 / ::)",
+    )
+    grpc_port: int = setting(0, "gRPC port (0: any free port)")
+    metrics_port: int = setting(0, "Prometheus /metrics port (0: any free port, -1: off)")
+    kv_transport: str = setting(
+        "tcp", "how KV blocks move (shm: peers on the same host only)", choices=TRANSPORTS
+    )
+    redis_url: str | None = setting(
+        None, "the registry (redis://[:PASSWORD@]HOST:PORT/DB); none: the worker does not register"
+    )
+    redis_password: str | None = secret("the Redis password", "--redis-password-file")
+    redis_prefix: str = setting("pdserve:", "namespace of the registry's keys")
+    heartbeat_seconds: float = setting(1.0, "seconds between registry heartbeats")
+    ttl_seconds: float = setting(5.0, "seconds a registry record outlives its last heartbeat")
+    worker_id: str | None = setting(None, "this worker's id (none: role + random suffix)")
+    cluster_token: str | None = secret(
+        "the shared secret of router and workers", "--cluster-token-file"
+    )
+    insecure: bool = setting(
+        False,
+        "serve gRPC and KV transfer without a cluster token (anyone who reaches them may use them)",
+    )
+    lease_seconds: float = setting(
+        5.0, "prefill: pinned KV blocks are freed this long after the answer unless renewed"
+    )
+    pull_timeout_seconds: float = setting(10.0, "decode: a KV pull taking longer has failed")
+    lease_renew_seconds: float = setting(
+        1.0,
+        "decode: while a request waits for room to pull its KV, renew the prefill worker's "
+        "lease this often (keep it well under the prefill workers' --lease-seconds)",
+    )
+    on_pull_failure: str = setting(
+        "recompute",
+        "decode: after a failed pull, compute the prompt here (recompute) or fail the request",
+        choices=("recompute", "fail"),
+    )
+    verify_checksums: bool = setting(
+        True, "decode: skip verifying pulled KV blocks", flag="--no-verify-checksums"
+    )
+    max_pending_requests: int = setting(
+        256, "requests admitted but not finished, at most; more are refused (UNAVAILABLE)"
+    )
+    drain_seconds: float = setting(
+        30.0, "on SIGTERM: how long in-flight requests may take to finish"
+    )
+    trace_file: str | None = setting(
+        None, "append finished OpenTelemetry spans to this file as JSON lines"
+    )
+    otlp_endpoint: str | None = setting(None, "export spans with OTLP/gRPC to this collector")
+    kv_faults: str | None = setting(
+        None, "testing only: fail served KV pulls on purpose, e.g. 'drop=0.1,corrupt=0.1'"
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

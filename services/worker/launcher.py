@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-from services.worker.config import READY_PREFIX
+from common.ready import READY_PREFIX
 
 
 def _die_with_parent() -> None:
@@ -114,6 +114,11 @@ class WorkerProcess:
 
     def is_alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def exit_code(self) -> int | None:
+        """The child's exit code (negative: the signal that killed it); None while it runs."""
+        return self.proc.poll() if self.proc is not None else None
 
     def terminate(self, timeout: float = 30.0) -> int | None:
         """SIGTERM (drain), then SIGKILL after ``timeout``; returns the exit code."""

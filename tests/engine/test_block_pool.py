@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool, HostBlockPool, NoFreeBlocksError
 from services.engine.hashing import hash_full_blocks
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import Sequence
 
 _ids = itertools.count()

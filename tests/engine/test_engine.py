@@ -169,14 +169,14 @@ def test_empty_and_out_of_vocab_prompts_are_rejected(engine_llm):
 
 
 def test_unknown_model_path_is_a_clear_error(tmp_path):
-    from services.engine.model.gguf_convert import ModelLoadError
+    from services.engine.model.source import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="does not exist"):
         LLM(model=str(tmp_path / "missing"))
 
 
 def test_corrupt_weights_are_a_clear_error(llm, tmp_path):
-    from services.engine.model.gguf_convert import ModelLoadError
+    from services.engine.model.source import ModelLoadError
 
     model_dir = tmp_path / "broken"
     model_dir.mkdir()

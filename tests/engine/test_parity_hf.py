@@ -18,7 +18,7 @@ NEW_TOKENS = 32
 def hf_model():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    from services.engine.model.loader import default_model_path
+    from services.engine.model.source import default_model_path
 
     path = default_model_path()
     kwargs = {"gguf_file": path.name}

@@ -8,22 +8,22 @@ import math
 import pytest
 import torch
 
-from services.engine.sampler import Sampler, apply_penalties, apply_top_k_top_p_min_p
-from services.engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, sequence_seed
+from services.engine.sampler import (
+    Sampler,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+)
 from services.engine.sequence import Sequence
 
 VOCAB = 50
 _ids = itertools.count()
 
 
-def seq_with(
-    params: SamplingParams, prompt=(1, 2, 3), output=(), seed: int | None = None
-) -> Sequence:
+def seq_with(params: SamplingParams, prompt=(1, 2, 3), output=()) -> Sequence:
     seq = Sequence(next(_ids), "req", list(prompt), params)
     for t in output:
         seq.append_token(t)
-    if seed is not None:
-        seq.generator = torch.Generator().manual_seed(seed)
     return seq
 
 
@@ -193,11 +193,11 @@ def test_seeded_row_is_independent_of_the_batch():
     others = random_logits(7, seed=12)
 
     def draw_alone(steps: int) -> list[int]:
-        seq = seq_with(params, seed=1234)
-        return [Sampler(seed=0)(base, [seq]).token_ids[0] for _ in range(steps)]
+        seq, sampler = seq_with(params), Sampler(seed=0)
+        return [sampler(base, [seq]).token_ids[0] for _ in range(steps)]
 
     def draw_batched(steps: int, sampler_seed: int, position: int) -> list[int]:
-        seq = seq_with(params, seed=1234)
+        seq = seq_with(params)
         sampler = Sampler(seed=sampler_seed)
         out = []
         for _ in range(steps):
@@ -217,9 +217,9 @@ def test_seeded_row_is_independent_of_the_batch():
 
 def test_different_request_seeds_differ():
     base = random_logits(1, seed=11)
-    params = SamplingParams(temperature=1.0)
-    first = Sampler()(base, [seq_with(params, seed=1)]).token_ids[0]
-    seq1, seq2 = seq_with(params, seed=1), seq_with(params, seed=2)
+    p1, p2 = SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2)
+    first = Sampler()(base, [seq_with(p1)]).token_ids[0]
+    seq1, seq2 = seq_with(p1), seq_with(p2)
     s = Sampler()
     d1 = [s(base, [seq1]).token_ids[0] for _ in range(30)]
     d2 = [s(base, [seq2]).token_ids[0] for _ in range(30)]
@@ -379,3 +379,19 @@ def test_sampling_params_normalization_and_flags():
     # boundary values are accepted
     SamplingParams(top_p=1.0, min_p=1.0, logprobs=20, temperature=0, max_tokens=1, n=1)
     SamplingParams(logprobs=0, presence_penalty=2, frequency_penalty=-2)
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0, -1])
+def test_sequence_seeds_wrap_within_int64_and_differ(seed):
+    """A seed at either end of int64 with n > 1 still gives every sequence its own generator."""
+    seeds = [sequence_seed(seed, index) for index in range(4)]
+    assert all(-(2**63) <= s < 2**63 for s in seeds) and len(set(seeds)) == 4
+    params = SamplingParams(temperature=1.0, seed=seed, n=4)
+    seqs = [seq_with(params) for _ in range(4)]
+    for index, seq in enumerate(seqs):
+        seq.index = index
+    sampler = Sampler()
+    sampler(random_logits(4, seed=3), seqs)  # each draws with its own generator, none raises
+    for seq in seqs:
+        sampler.forget(seq)
+    assert not sampler._generators

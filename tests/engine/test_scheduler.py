@@ -17,9 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool, HostBlockPool
 from services.engine.config import SchedulerConfig
-from services.engine.sampling_params import SamplingParams
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 

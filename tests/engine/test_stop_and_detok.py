@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from services.engine.detokenizer import IncrementalDetokenizer
-from services.engine.sampling_params import SamplingParams
 from services.engine.sequence import FinishReason, Sequence
 from services.engine.stop_checker import check_stop_token, find_stop_string, num_held_back
 
@@ -137,8 +137,7 @@ def test_check_stop_token():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from services.engine.model.gguf_convert import ModelLoadError
-    from services.engine.model.loader import resolve_model_dir
+    from services.engine.model.source import ModelLoadError, resolve_model_dir
     from services.engine.tokenizer import Tokenizer
 
     try:
@@ -173,7 +172,18 @@ def test_incremental_detokenizer_round_trip(tokenizer, text, prompt):
     for d in deltas:
         assert "\ufffd" not in d, f"a half character was emitted: {deltas!r}"
     assert "".join(deltas) == tokenizer.decode(ids) == text
-    assert detok.text == text
+    assert len(detok._ids) <= 8  # only a short window is kept, whatever the length
+
+
+def test_incremental_detokenizer_cost_does_not_grow_with_the_output(tokenizer):
+    """Each token decodes the same small window: a long output is linear, not quadratic."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 200)
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True)
+    widths = []
+    for t in ids:
+        detok.add(t)
+        widths.append(len(detok._ids))
+    assert max(widths) <= 8
 
 
 def test_incremental_detokenizer_holds_partial_characters(tokenizer):

@@ -21,8 +21,8 @@ from kvtransfer import (
     make_client,
     make_server,
 )
+from kvtransfer.server_process import ServerProcess, ServerSpec, make_kv_cache
 from kvtransfer.source import TensorBlockSource
-from kvtransfer.testing import ServerProcess, ServerSpec, make_kv_cache
 from pdserve import SamplingParams
 from tests.conftest import PROMPTS
 from tests.services.workers import disaggregated, metric, run, running, used_blocks

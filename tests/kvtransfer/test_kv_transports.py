@@ -23,7 +23,7 @@ from kvtransfer import (
     block_checksums,
     make_client,
 )
-from kvtransfer.testing import STALL_REQUEST, ServerProcess, ServerSpec, make_kv_cache
+from kvtransfer.server_process import STALL_REQUEST, ServerProcess, ServerSpec, make_kv_cache
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=8, dtype="float32")
 NUM_BLOCKS = 64

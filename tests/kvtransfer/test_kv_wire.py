@@ -14,8 +14,8 @@ import torch
 
 from kvtransfer import KVLayout, TensorBlockSource, TransferError, make_client
 from kvtransfer import framing as fr
+from kvtransfer.server_process import ServerProcess, ServerSpec, make_kv_cache
 from kvtransfer.tcp import TcpKVServer
-from kvtransfer.testing import ServerProcess, ServerSpec, make_kv_cache
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4)
 TOKEN = "t0k3n"
@@ -145,15 +145,16 @@ def test_garbage_reply_is_a_protocol_error():
 
 
 class _ExpiringSource(TensorBlockSource):
-    """Forgets the request after ``reads_left`` reads (a lease running out mid-transfer)."""
+    """Fails its reads after ``reads_left`` of them (a source that breaks mid-transfer; a
+    lease that runs out mid-transfer does not: see test_lease_expiry.py)."""
 
     reads_left = 2
 
-    def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+    def copy_blocks(self, block_ids: list[int]) -> torch.Tensor:
         self.reads_left -= 1
         if self.reads_left < 0:
-            raise KeyError(request_id)
-        return super().read_blocks(request_id, block_ids)
+            raise KeyError("gone")
+        return super().copy_blocks(block_ids)
 
 
 def test_chunked_sending_and_abort_mid_transfer():

@@ -150,7 +150,7 @@ def test_pool_gauges_follow_a_request_through_prefill_then_decode(observed, disa
     assert Snapshot.take(routers.plain).in_flight == 0
     # The routable workers per role, from the same registry view.
     for role, count in (("prefill", 1), ("decode", 1), ("colocated", 0)):
-        assert routers.plain.metric("pdserve_router_workers", f'role="{role}"') == count
+        assert routers.plain.metric("pdserve_router_workers", f'pool="{role}"') == count
 
 
 def test_decode_kv_usage_rises_while_the_request_holds_blocks(observed, disagg) -> None:  # type: ignore[no-untyped-def]

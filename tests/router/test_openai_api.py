@@ -195,7 +195,7 @@ def test_models_workers_and_metrics(disagg, client):  # type: ignore[no-untyped-
         )
         >= 1
     )
-    assert router.metric("pdserve_router_workers", 'role="prefill"') == 1
+    assert router.metric("pdserve_router_workers", 'pool="prefill"') == 1
 
 
 def test_client_disconnect_mid_stream_frees_the_decode_blocks(disagg):  # type: ignore[no-untyped-def]

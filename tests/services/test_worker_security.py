@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvtransfer
+from common.sampling_params import SamplingParams
 from protos import pdserve_pb2 as pb
-from services.engine.sampling_params import SamplingParams
-from services.prefill.service import layout_from_proto
+from services.worker.convert import layout_from_proto
 from services.worker.launcher import WorkerProcess
 from tests.conftest import PROMPTS
 from tests.services.workers import disaggregated, metric, prefill, run, running, used_blocks

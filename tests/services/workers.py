@@ -1,9 +1,11 @@
 """Helpers for service tests: start real worker processes, call them over real gRPC, read their
-real /metrics."""
+real /metrics. Calls present the cluster token the test session's workers share (conftest)
+unless a test passes its own ``metadata``."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -12,12 +14,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.sampling_params import SamplingParams
+from common.wire import Metadata, params_to_proto, token_metadata
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
-from services.engine.sampling_params import SamplingParams
-from services.worker.convert import params_to_proto
 from services.worker.launcher import WorkerProcess
 
+AUTH: Metadata = token_metadata(os.environ.get("PDSERVE_CLUSTER_TOKEN"))
 SMALL = [
     "--num-blocks",
     "128",
@@ -89,7 +92,7 @@ class Result:
 
 
 async def prefill(
-    address: str, request_id: str, prompt: list[int], params: SamplingParams, metadata=()
+    address: str, request_id: str, prompt: list[int], params: SamplingParams, metadata=AUTH
 ) -> pb.PrefillResponse:  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.PrefillServiceStub(channel)
@@ -107,7 +110,7 @@ async def generate(
     request: pb.GenerateRequest,
     result: Result,
     max_chunks: int | None = None,
-    metadata=(),
+    metadata=AUTH,
 ) -> Result:  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.DecodeServiceStub(channel)
@@ -135,7 +138,7 @@ async def disaggregated(
     params: SamplingParams,
     before_generate=None,
     max_chunks: int | None = None,
-    metadata=(),
+    metadata=AUTH,
 ) -> Result:  # type: ignore[no-untyped-def]
     """The router's flow: Prefill on P, then Generate on D with the first token and KVHandle."""
     answer = await prefill(p_address, request_id, prompt, params, metadata)

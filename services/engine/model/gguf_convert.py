@@ -8,7 +8,6 @@ atomically, so concurrent workers converting the same file do not collide.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -20,7 +19,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-SOURCE_FILE = "pdserve_source.json"
+from services.engine.model.source import (
+    SOURCE_FILE,
+    ModelLoadError,
+    conversion_dir,
+    file_sha256,
+)
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -43,22 +47,10 @@ _GLOBAL_NAMES = {
 }
 
 
-class ModelLoadError(ValueError):
-    """The model path or file cannot be used (missing, corrupt, unsupported)."""
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
     """Where ``gguf_path`` is (or will be) converted; converts it if not cached yet."""
     sha = file_sha256(gguf_path)
-    target = cache_dir / "models" / f"{gguf_path.stem}-{sha[:16]}"
+    target = conversion_dir(gguf_path, cache_dir, sha)
     if (target / SOURCE_FILE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -158,3 +150,9 @@ def _convert_tokenizer(gguf_path: Path, out: Path) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     tokenizer.save_pretrained(str(out))
+
+
+if __name__ == "__main__":  # `python -m ... GGUF CACHE_DIR`: what a torch-free process runs
+    import sys
+
+    converted_dir(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -19,27 +19,29 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import Counter
+from prometheus_client import Counter, disable_created_metrics
 
 import kvtransfer
+from common.ready import announce_ready
+from common.wire import TOKEN_HEADER, check_cluster_token
 from kvtransfer.base import KVLayout
 from kvtransfer.source import TensorBlockSource
 from protos import pdserve_pb2_grpc as pb_grpc
 from services.decode.service import DecodeService
 from services.engine.llm_engine import LLMEngine
-from services.engine.model.loader import model_name
+from services.engine.model.source import model_name
 from services.prefill.service import PrefillIdentity, PrefillService
 from services.registry import (
     Fingerprint,
     LoadSnapshot,
     RegistryConfig,
+    RegistryView,
     WorkerRecord,
     WorkerRegistration,
     file_digest,
@@ -47,11 +49,11 @@ from services.registry import (
     tokenizer_hash,
 )
 from services.worker.async_engine import AsyncEngine
-from services.worker.config import READY_PREFIX, WorkerConfig
+from services.worker.config import WorkerConfig
+from services.worker.handles import HandleChecker
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-TOKEN_HEADER = "x-pdserve-token"
 
 
 class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -152,7 +154,7 @@ def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fin
 class Worker:
     """Builds and runs everything a worker process serves."""
 
-    def __init__(self, config: WorkerConfig, cache_dir: Path | None = None):
+    def __init__(self, config: WorkerConfig):
         self.config = config
         self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
         self.shm_path: str | None = None
@@ -161,10 +163,10 @@ class Worker:
             self.shm_path = f"/dev/shm/pdserve-kv-{self.worker_id}"
             cache = dataclasses.replace(engine_config.cache, shared_memory_path=self.shm_path)
             engine_config = dataclasses.replace(engine_config, cache=cache)
-        self.engine = LLMEngine(engine_config, cache_dir)
+        self.engine = LLMEngine(engine_config)
         self.async_engine = AsyncEngine(self.engine)
-        self.metrics = WorkerMetrics(config.role, self.engine)
-        self.transfer_metrics = kvtransfer.get_metrics(self.metrics.registry)
+        self.metrics = WorkerMetrics(config.role, self.async_engine.stats)
+        self.transfer_metrics = kvtransfer.TransferMetrics(self.metrics.registry)
         cfg = self.engine.model.config
         self.layout = KVLayout(
             cfg.num_layers,
@@ -177,7 +179,18 @@ class Worker:
         self.prefill: PrefillService | None = None
         self.decode: DecodeService | None = None
         self.registration: WorkerRegistration | None = None
+        self.view: RegistryView | None = None
+        self.registry_config: RegistryConfig | None = None
+        if config.redis_url:
+            self.registry_config = RegistryConfig(
+                redis_url=config.redis_url,
+                password=config.redis_password,
+                prefix=config.redis_prefix,
+                ttl_seconds=config.ttl_seconds,
+                heartbeat_seconds=config.heartbeat_seconds,
+            )
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[bool]] = set()
         self._stop = asyncio.Event()
         self._public_host = config.host  # what peers dial; set by run()
 
@@ -205,20 +218,16 @@ class Worker:
         kv_address = self._kv_address
         await self._register(grpc_address, kv_address)
         self._install_signal_handlers()
-        print(
-            READY_PREFIX
-            + json.dumps(
-                {
-                    "role": cfg.role,
-                    "worker_id": self.worker_id,
-                    "pid": os.getpid(),
-                    "grpc_address": grpc_address,
-                    "kv_address": kv_address,
-                    "metrics_port": metrics_port,
-                    "num_blocks": self.engine.pool.num_blocks,
-                }
-            ),
-            flush=True,
+        announce_ready(
+            {
+                "role": cfg.role,
+                "worker_id": self.worker_id,
+                "pid": os.getpid(),
+                "grpc_address": grpc_address,
+                "kv_address": kv_address,
+                "metrics_port": metrics_port,
+                "num_blocks": self.engine.pool.num_blocks,
+            }
         )
         await self._stop.wait()
         await self._drain(health)
@@ -233,7 +242,14 @@ class Worker:
         transfer_server = None
         token = cfg.cluster_token
         if cfg.role in ("prefill", "colocated"):
-            leases = TensorBlockSource(self.engine.runner.kv_cache, cfg.lease_seconds)
+            loop = asyncio.get_running_loop()
+
+            def on_unpin(request_id: str) -> None:  # from any thread: a transfer's or ours
+                loop.call_soon_threadsafe(self._free_pinned, request_id)
+
+            leases = TensorBlockSource(
+                self.engine.runner.kv_cache, cfg.lease_seconds, on_unpin=on_unpin
+            )
             options: dict[str, Any] = {
                 "metrics": self.transfer_metrics,
                 "faults": kvtransfer.KVFaults.parse(cfg.kv_faults),  # None: off (the default)
@@ -259,20 +275,28 @@ class Worker:
             self._tasks.append(asyncio.create_task(self.prefill.reap_expired_leases()))
         if cfg.role in ("decode", "colocated"):
             client = kvtransfer.make_client(cfg.kv_transport, token, metrics=self.transfer_metrics)
-            self.decode = DecodeService(self.async_engine, client, self.layout, cfg, self.metrics)
+            if self.registry_config is not None:  # KV handles must name registered workers
+                self.view = RegistryView(self.registry_config)
+                await self.view.refresh()
+                self.view.watch(cfg.heartbeat_seconds)
+            handles = HandleChecker(self.fingerprint.key(), self.view)
+            self.decode = DecodeService(
+                self.async_engine, client, self.layout, cfg, self.metrics, handles
+            )
             pb_grpc.add_DecodeServiceServicer_to_server(self.decode, server)
+            self._tasks.append(asyncio.create_task(self.decode.prune_channels()))
         return transfer_server
 
+    def _free_pinned(self, request_id: str) -> None:
+        """A pin ended (released or expired) and no transfer reads its blocks: free them."""
+        task = asyncio.get_running_loop().create_task(self.async_engine.release_pinned(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _register(self, grpc_address: str, kv_address: str) -> None:
-        cfg = self.config
-        if not cfg.redis_url:
+        cfg, registry = self.config, self.registry_config
+        if registry is None:
             return
-        registry = RegistryConfig(
-            redis_url=cfg.redis_url,
-            prefix=cfg.redis_prefix,
-            ttl_seconds=cfg.ttl_seconds,
-            heartbeat_seconds=cfg.heartbeat_seconds,
-        )
         record = WorkerRecord(
             worker_id=self.worker_id,
             role=cfg.role,  # type: ignore[arg-type]
@@ -288,13 +312,13 @@ class Worker:
         self._tasks.append(asyncio.create_task(self._publish_prefixes(cfg.heartbeat_seconds)))
 
     def _load(self) -> LoadSnapshot:
-        pool, sched = self.engine.pool, self.engine.scheduler
+        stats = self.async_engine.stats()
         return LoadSnapshot(
-            num_running=len(sched.running),
-            num_waiting=sched.num_waiting + self._num_active() - len(sched.running),
-            kv_blocks_used=pool.num_used_blocks,
-            kv_blocks_cached=pool.num_cached_blocks,
-            kv_blocks_total=pool.num_blocks,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_cached=stats.kv_blocks_cached,
+            kv_blocks_total=stats.kv_blocks_total,
         )
 
     def _num_active(self) -> int:
@@ -327,7 +351,7 @@ class Worker:
         if self.prefill is not None:  # nobody will pull what is still pinned
             for request_id in self.prefill.leases.pinned_request_ids():
                 self.prefill.leases.release(request_id)
-                await self.async_engine.call(self.engine.release_pinned, request_id)
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _shutdown(self) -> None:
         for task in self._tasks:
@@ -337,6 +361,8 @@ class Worker:
             await self.decode.close()
         if self.registration is not None:
             await self.registration.close()
+        if self.view is not None:
+            await self.view.close()
         await self.async_engine.stop()
         if self.shm_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -348,17 +374,21 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def run_worker(config: WorkerConfig, cache_dir: Path | None = None) -> None:
+def run_worker(config: WorkerConfig) -> None:
     """Entry point of ``pdserve prefill|decode|colocated``."""
+    check_cluster_token(config.cluster_token, config.insecure)
+    disable_created_metrics()  # counters' *_created series only double what scrapes show
     log_format = f"%(asctime)s {config.role} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=log_format)
-    from pdserve.tracing import setup_tracing  # here: the entry point is the one place to set up
+    if config.insecure:
+        log.warning("--insecure: gRPC and KV transfer accept any peer that can reach them")
+    from common.tracing import setup_tracing  # here: the entry point is the one place to set up
 
     tracer_provider = setup_tracing(
         f"pdserve-{config.role}", config.trace_file, config.otlp_endpoint
     )
     try:
-        worker = Worker(config, cache_dir)
+        worker = Worker(config)
         asyncio.run(worker.run())
     finally:
         if tracer_provider is not None:

@@ -1,4 +1,5 @@
-"""A KV transfer server in another process, for tests and benchmarks (not for production).
+"""A KV transfer server in a child process: what `pdserve plan --measure` and the transfer
+benchmark time a pull against, and what the transport tests pull from.
 
 ``ServerProcess`` spawns a child that builds a deterministic random KV cache
 (:func:`make_kv_cache`), pins the requested blocks in a :class:`TensorBlockSource` and serves
@@ -14,6 +15,8 @@ import dataclasses
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -53,15 +56,12 @@ class _StallingSource(TensorBlockSource):
     def renew_lease(self, request_id: str) -> bool:
         return request_id == STALL_REQUEST or super().renew_lease(request_id)
 
-    def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+    @contextmanager
+    def reading(self, request_id: str, block_ids: list[int]) -> Iterator[None]:
         if request_id == STALL_REQUEST:
             time.sleep(3600)
-        return super().read_blocks(request_id, block_ids)
-
-    def block_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
-        if request_id == STALL_REQUEST:
-            time.sleep(3600)
-        return super().block_rows(request_id, block_ids)
+        with super().reading(request_id, block_ids):
+            yield
 
 
 def _child_main(spec: ServerSpec, conn: Connection) -> None:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request seeded with ``seed`` (an int64): ``seed +
+    index``, wrapped within int64, so a seed near 2**63 with n > 1 still fits everywhere a seed
+    goes (the proto's int64, torch's generators)."""
+    return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.

@@ -1,0 +1,84 @@
+"""The control plane's shared vocabulary: sampling parameters and logprobs to and from their
+proto messages, and the cluster-token header every internal call carries.
+
+proto3 cannot tell an unset number from zero, so for ``n``, ``top_p``, ``repetition_penalty`` and
+``max_tokens`` a zero means "the default".
+"""
+
+from __future__ import annotations
+
+from common.sampling_params import SamplingParams
+from protos import pdserve_pb2 as pb
+
+TOKEN_HEADER = "x-pdserve-token"  # gRPC metadata key of the cluster token
+Metadata = tuple[tuple[str, str], ...]
+
+
+def check_cluster_token(token: str | None, insecure: bool) -> None:
+    """Refuse to start without a cluster token unless running ``--insecure`` was asked for."""
+    if not token and not insecure:
+        raise ValueError(
+            "no cluster token: set PDSERVE_CLUSTER_TOKEN or --cluster-token-file (the same on "
+            "the router and every worker), or pass --insecure to run an open internal plane"
+        )
+
+
+def token_metadata(token: str | None) -> Metadata:
+    """The call metadata that presents ``token`` (nothing when the plane runs --insecure)."""
+    return ((TOKEN_HEADER, token),) if token else ()
+
+
+def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
+    """Raises ValueError naming the bad field, like SamplingParams itself."""
+    return SamplingParams(
+        n=p.n or 1,
+        temperature=p.temperature,
+        top_p=p.top_p or 1.0,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        seed=p.seed if p.HasField("seed") else None,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        max_tokens=p.max_tokens or 16,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+
+
+def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        max_tokens=s.max_tokens,
+        stop=s.stop,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    if s.logprobs is not None:
+        msg.logprobs = s.logprobs
+    return msg
+
+
+def logprobs_to_proto(entry: dict[int, float] | None) -> pb.TokenLogprobs:
+    if not entry:
+        return pb.TokenLogprobs()
+    return pb.TokenLogprobs(
+        entries=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items()]
+    )
+
+
+def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float] | None:
+    return {e.token_id: e.logprob for e in msg.entries} or None
