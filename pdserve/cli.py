@@ -251,7 +251,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.save_profile:
             profile.save(Path(args.save_profile))
     else:
-        profile = WorkerProfile.load(Path(args.profile))
+        path = Path(args.profile)
+        if not path.is_file():
+            raise ValueError(
+                f"--profile {args.profile}: no such file; make one with `pdserve plan --measure "
+                "--save-profile FILE ...`, or use the committed benchmarks/profiles/epyc-2core.json"
+            )
+        profile = WorkerProfile.load(path)
     plan = make_plan(profile, workload, slo, args.cores, args.rate, args.shared_cores)
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
     return 0

@@ -482,7 +482,8 @@ def size_pools(profile: WorkerProfile, workload: Workload, slo: SLO, rate: float
 
 @dataclass(frozen=True)
 class Plan:
-    """Every deployment of the core budget, the best one, and pool sizes for a target rate."""
+    """Every deployment of the core budget, the best one, and pool sizes for a target rate
+    (only those within the budget), with warnings where the plan extrapolates the profile."""
 
     workload: Workload
     slo: SLO
@@ -491,6 +492,7 @@ class Plan:
     candidates: list[Candidate]
     sizing: list[Sizing] = field(default_factory=list)
     shared_cores: bool = False  # other processes run on the workers' cores
+    warnings: list[str] = field(default_factory=list)
 
     def is_eligible(self, deployment: Deployment) -> bool:
         """With shared cores, only one-thread workers are recommended: a worker whose torch
@@ -518,7 +520,48 @@ def make_plan(
         raise ValueError(f"cores must be >= 1, got {cores}")
     candidates = [evaluate(profile, d, workload, slo, rate) for d in deployments(profile, cores)]
     plan = Plan(workload, slo, cores, rate, candidates, [], shared_cores)
+    plan.warnings.extend(beyond_the_profile(profile, workload, cores, candidates))
     if rate:
         sizes = size_pools(profile, workload, slo, rate)
-        plan.sizing.extend(s for s in sizes if plan.is_eligible(s.deployment))
+        plan.sizing.extend(
+            s for s in sizes if plan.is_eligible(s.deployment) and s.deployment.cores <= cores
+        )
     return plan
+
+
+def beyond_the_profile(
+    profile: WorkerProfile, workload: Workload, cores: int, candidates: list[Candidate]
+) -> list[str]:
+    """Where the plan leaves what the profile measured (its numbers there are extrapolated)."""
+    measured = sorted(t.num_threads for t in profile.threads)
+    warnings = []
+    if cores > max(measured):
+        warnings.append(
+            f"the profile has workers of {', '.join(map(str, measured))} thread(s) only: "
+            f"layouts of {cores} cores are built from those (measure more with "
+            "`pdserve plan --measure --profile-threads ...`)"
+        )
+    _, inputs, outputs = workload.arrays()
+    longest = max(max(t.prefill_tokens) for t in profile.threads)
+    if inputs.max() > longest:
+        warnings.append(
+            f"prompts of up to {int(inputs.max())} tokens, the profile's prefill goes to "
+            f"{longest}: longer ones are extrapolated"
+        )
+    contexts = max(p.context for t in profile.threads for p in t.decode)
+    if (inputs + outputs).max() > contexts:
+        warnings.append(
+            f"contexts of up to {int((inputs + outputs).max())} tokens, the profile's decode "
+            f"steps go to {contexts}: longer ones are extrapolated"
+        )
+    batches = max(p.batch_size for t in profile.threads for p in t.decode)
+    busiest = max(
+        (c.at_rate.decode_batch for c in candidates if c.at_rate and not c.at_rate.problem),
+        default=0.0,
+    )
+    if busiest > batches:
+        warnings.append(
+            f"decode batches of {busiest:.0f} at the target rate, the profile measured up to "
+            f"{batches}: their step times are extrapolated"
+        )
+    return warnings

@@ -44,8 +44,11 @@ def recommendation(plan: Plan) -> list[str]:
             f"It meets {plan.rate:g} req/s with {best.max_rate / plan.rate:.2f}x headroom."
         )
     else:
-        lines.append(f"No deployment of {plan.cores} core(s) meets {plan.rate:g} req/s.")
-    for s in plan.sizing[:1]:
+        lines.append(
+            f"No deployment of {plan.cores} core(s) meets {plan.rate:g} req/s: give more cores "
+            "(--cores), a lower rate, or looser SLOs."
+        )
+    for s in plan.sizing[:1]:  # within the budget only
         rates = ", ".join(f"one {k} worker {v:.2f} req/s" for k, v in s.per_worker_rates.items())
         lines.append(
             f"Cheapest for {plan.rate:g} req/s: {s.deployment.name} "
@@ -81,7 +84,8 @@ def format_plan(plan: Plan) -> str:
     lines.append(
         "(ms, the SLO statistic; batch: mean decode batch per decode worker; max rate in req/s)"
     )
-    return "\n".join([*lines, "", *recommendation(plan)])
+    warnings = [f"warning: {w}" for w in plan.warnings]
+    return "\n".join([*warnings, *([""] if warnings else []), *lines, "", *recommendation(plan)])
 
 
 def prediction_dict(p: Prediction) -> dict[str, object]:
@@ -134,6 +138,7 @@ def plan_dict(plan: Plan) -> dict[str, object]:
             ],
             "best": plan.best.deployment.name if plan.best.max_rate > 0 else None,
             "recommendation": " ".join(recommendation(plan)),
+            "warnings": plan.warnings,
             "sizing": [
                 {"deployment": deployment(s.deployment), "per_worker_rates": s.per_worker_rates}
                 for s in plan.sizing

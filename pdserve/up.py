@@ -110,6 +110,10 @@ class UpConfig:
     trace_file: str | None = setting(
         None, "every component appends its OpenTelemetry spans to this file as JSON lines"
     )
+    verbose: bool = setting(False, "show every component's log lines here, not in --log-file")
+    log_file: str | None = setting(
+        None, "where the components' log lines go (none: ~/.cache/pdserve/logs/up-TIME.log)"
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 
@@ -179,6 +183,11 @@ class UpConfig:
         return args + self._trace_args()
 
 
+def default_log_path(cache_dir: Path) -> Path:
+    """Where a quiet `pdserve up` writes its components' log lines."""
+    return cache_dir / "logs" / f"up-{time.strftime('%Y%m%d-%H%M%S')}.log"
+
+
 def _optional(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
@@ -245,11 +254,21 @@ class LineWriter(io.TextIOBase):
 
 
 class Component(WorkerProcess):
-    """A `pdserve <role>` child in its own session, its output echoed as ``[name] line``."""
+    """A `pdserve <role>` child in its own session, its output echoed as ``[name] line`` to
+    ``log`` (the log file, or stdout with --verbose)."""
 
-    def __init__(self, name: str, role: str, args: list[str], env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log: TextIO | None = None,
+    ):
         # A session of its own: the terminal's Ctrl-C is ours to handle, so the stop order holds.
-        super().__init__(role, args, env=env, echo_prefix=f"[{name}]", new_session=True)
+        super().__init__(
+            role, args, env=env, echo_prefix=f"[{name}]", new_session=True, echo_to=log
+        )
         self.name = name
 
     def is_ready(self) -> bool:
@@ -308,11 +327,12 @@ class RedisUnit:
 
 
 class LogTail:
-    """Echo the lines appended to a file with a prefix (Redis logs to a file)."""
+    """Echo the lines appended to a file with a prefix (Redis logs to a file) to ``out``."""
 
-    def __init__(self, path: Path, prefix: str):
+    def __init__(self, path: Path, prefix: str, out: TextIO | None = None):
         self.path = path
         self.prefix = prefix
+        self.out = out
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -330,7 +350,7 @@ class LogTail:
                 if chunk:
                     partial += chunk
                     if partial.endswith("\n"):
-                        print(f"{self.prefix} {partial.rstrip()}", flush=True)
+                        print(f"{self.prefix} {partial.rstrip()}", file=self.out, flush=True)
                         partial = ""
                 elif self._done.is_set():
                     return
@@ -355,6 +375,8 @@ class UpSystem:
         self.workers: list[Component] = []
         self.router: Component | None = None
         self._redis_log: LogTail | None = None
+        self.log_path = Path(config.log_file or default_log_path(config.engine.cache_path))
+        self.log: TextIO | None = None  # the components' lines (None: stdout, --verbose)
         self._stop_requested = threading.Event()
         self._stopping = False
         self._killing = False
@@ -390,6 +412,10 @@ class UpSystem:
         Raises UpError when a component dies or the whole start takes over ``ready_timeout``."""
         deadline = time.monotonic() + self.config.ready_timeout
         _check_port(self.config.port)  # before the model loads, not after
+        if not self.config.verbose:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log = open(self.log_path, "a", buffering=1)  # noqa: SIM115 (closed in stop)
+            _say(f"component logs: {self.log_path} (--verbose to see them here)")
         self._start_redis()
         cfg = self.config
         _say(
@@ -400,11 +426,13 @@ class UpSystem:
         insecure = ["--insecure"] if cfg.insecure else []
         worker_args = cfg.worker_args(self.redis.address) + insecure
         env = dict(self.secrets)
-        self.workers = [Component(name, role, worker_args, env) for role, name in cfg.workers]
+        self.workers = [
+            Component(name, role, worker_args, env, self.log) for role, name in cfg.workers
+        ]
         if cfg.router.api_key:
             env["PDSERVE_API_KEY"] = cfg.router.api_key
         router_args = cfg.router_args(self.redis.address) + insecure
-        self.router = Component("router", "router", router_args, env)
+        self.router = Component("router", "router", router_args, env, self.log)
         for component in self.components:
             if self._stop_requested.is_set():
                 return False
@@ -424,7 +452,7 @@ class UpSystem:
             raise UpError(str(exc)) from exc
         self.redis_pid = self.redis.pid
         assert self.redis.log_path is not None
-        self._redis_log = LogTail(self.redis.log_path, "[redis]")
+        self._redis_log = LogTail(self.redis.log_path, "[redis]", self.log)
         _say(f"redis-server pid {self.redis_pid} on {self.redis.address}")
 
     def _router_ready(self) -> bool:
@@ -519,6 +547,7 @@ class UpSystem:
                 if self.config.restart
                 else []
             ),
+            *([] if self.log is None else [f"Component logs: {self.log_path} (--verbose: here)"]),
             "Ctrl-C stops everything.",
         ]
         return "\n".join(lines)
@@ -564,6 +593,8 @@ class UpSystem:
             self._killing = True  # from here on a signal only sets the (already set) flag
             if self._redis_log is not None:
                 self._redis_log.stop()
+            if self.log is not None:
+                self.log.close()
         _say("stopped")
 
     def _stop_in_order(self) -> None:

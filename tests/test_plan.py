@@ -23,6 +23,7 @@ from pdserve.plan import (
     preset_workload,
     size_pools,
 )
+from pdserve.plan_report import format_plan
 from pdserve.profile import DecodePoint, ThreadProfile, WorkerProfile, isotonic
 from pdserve.queueing import MG1, compound_poisson_cdf
 
@@ -371,3 +372,26 @@ def test_plan_check_scores_the_recommendation_against_the_sweep(
     out = capsys.readouterr().out
     assert "chatbot" in out and "2xcoloc" in out
     assert code == exit_code, out
+
+
+def test_a_plan_beyond_the_profile_warns_and_lists_only_layouts_that_fit():
+    """8 cores and a rate no layout of them meets: it says so, with a warning that the profile
+    has 1- and 2-thread workers only, and recommends nothing beyond the 8 cores."""
+    workload = fixed_workload(4000, 200)  # longer than the profile's prefills
+    plan = make_plan(PROFILE, workload, LOOSE, cores=8, rate=500.0)
+    assert any("thread(s) only" in w for w in plan.warnings)
+    assert any("prompts of up to 4000 tokens" in w for w in plan.warnings)
+    assert all(s.deployment.cores <= 8 for s in plan.sizing)
+    text = format_plan(plan)
+    assert text.startswith("warning: ")
+    assert "No deployment of 8 core(s) meets 500 req/s" in text
+    assert "Cheapest" not in text
+    within = make_plan(PROFILE, preset_workload("chatbot"), LOOSE, cores=8, rate=0.5)
+    assert within.sizing and all(s.deployment.cores <= 8 for s in within.sizing)
+
+
+def test_a_missing_profile_file_is_one_line(capsys):  # type: ignore[no-untyped-def]
+    args = ["plan", "--profile", "nope.json", "--isl", "10", "--osl", "10"]
+    assert main([*args, "--ttft-slo", "100", "--tpot-slo", "100"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--profile nope.json: no such file" in err

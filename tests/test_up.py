@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import openai
 import pytest
@@ -118,7 +119,8 @@ def can_listen(port: int) -> bool:
     ("sig", "extra"),
     [
         (signal.SIGINT, []),  # 1 prefill + 1 decode, Ctrl-C
-        (signal.SIGTERM, ["--colocated", "--api-key", API_KEY]),  # 1 colocated, behind a key
+        # 1 colocated, behind a key, its components' lines shown
+        (signal.SIGTERM, ["--colocated", "--api-key", API_KEY, "--verbose"]),
     ],
     ids=["prefill-decode-sigint", "colocated-sigterm"],
 )
@@ -130,8 +132,14 @@ def test_up_serves_a_chat_completion_then_stops_cleanly(sig: int, extra: list[st
         pids = {int(pid) for pid in re.findall(r"^  \S+ +pid (\d+)", up.output, re.MULTILINE)}
         roles = ["colocated-0"] if extra else ["prefill-0", "decode-0"]
         assert len(pids) == len(roles) + 2, up.output  # + redis and router
-        for name in ["redis", *roles]:  # every component's log lines carry its name
-            assert re.search(rf"^\[{name}\] ", up.output, re.MULTILINE), up.output
+        if extra:  # --verbose: every component's log lines, each with its name
+            logs = up.output
+        else:  # quiet: they go to the log file the summary names, not to the terminal
+            assert not re.search(r"^\[(redis|prefill-0|decode-0|router)\] ", up.output, re.M)
+            assert "overcommit" not in up.output and "Redis version" not in up.output
+            logs = Path(up.find(r"^Component logs: (\S+)")).read_text()
+        for name in ["redis", *roles]:
+            assert re.search(rf"^\[{name}\] ", logs, re.MULTILINE), logs
         assert "curl " + url + "/v1/chat/completions" in up.output
 
         key = API_KEY if extra else "unused"
@@ -224,6 +232,15 @@ def test_bad_flags_are_a_message_not_a_traceback(args: list[str], message: str) 
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "[up]" not in proc.stdout  # nothing was started
+
+
+def test_an_unknown_model_is_one_message_naming_what_is_accepted(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    args = [*SMALL, "--model", str(tmp_path / "no-such-model"), "--log-file", str(tmp_path / "log")]
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    everything = proc.stdout + proc.stderr
+    assert everything.count("does not exist: give --model a Hugging Face model directory") == 1
+    assert "Traceback" not in proc.stderr
 
 
 class FakeUnit:

