@@ -102,6 +102,7 @@ class UpProcess:
         args = ["up", "--restart", "--prefill", "1", "--decode", "1", "--port", "0"]
         args += ["--threads", "1", "--num-blocks", str(cfg.num_blocks), "--transport", "tcp"]
         args += ["--ready-timeout", str(int(cfg.startup_timeout))]
+        args += ["--disaggregation", "always"]  # every prompt crosses the faulty KV transfer
         return [sys.executable, "-m", "pdserve.cli", *args]
 
     def environment(self) -> dict[str, str]:

@@ -55,7 +55,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("request_id", "prefill_worker_id", "transport", "address", "block_ids", "num_tokens", "layout", "checksums", "block_hashes", "lease_expires_unix_ms", "fingerprint", "release_address")
+    __slots__ = ("request_id", "prefill_worker_id", "transport", "address", "block_ids", "num_tokens", "layout", "checksums", "block_hashes", "lease_expires_unix_ms", "fingerprint", "release_address", "streaming")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +68,7 @@ class KVHandle(_message.Message):
     LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RELEASE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prefill_worker_id: str
     transport: str
@@ -80,7 +81,20 @@ class KVHandle(_message.Message):
     lease_expires_unix_ms: int
     fingerprint: str
     release_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lease_expires_unix_ms: _Optional[int] = ..., fingerprint: _Optional[str] = ..., release_address: _Optional[str] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, request_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., checksums: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., lease_expires_unix_ms: _Optional[int] = ..., fingerprint: _Optional[str] = ..., release_address: _Optional[str] = ..., streaming: _Optional[bool] = ...) -> None: ...
+
+class PhaseTimings(_message.Message):
+    __slots__ = ("queue_s", "compute_s", "transfer_s", "transfer_exposed_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_EXPOSED_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    compute_s: float
+    transfer_s: float
+    transfer_exposed_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., transfer_exposed_s: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -106,21 +120,31 @@ class PrefillRequest(_message.Message):
     sampling: SamplingParams
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
+class PrefillEvent(_message.Message):
+    __slots__ = ("kv", "done")
+    KV_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    kv: KVHandle
+    done: PrefillResponse
+    def __init__(self, kv: _Optional[_Union[KVHandle, _Mapping]] = ..., done: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "logprobs", "kv", "finish_reason", "num_cached_tokens", "first_text")
+    __slots__ = ("first_token", "logprobs", "kv", "finish_reason", "num_cached_tokens", "first_text", "timings")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprobs: TokenLogprobs
     kv: KVHandle
     finish_reason: str
     num_cached_tokens: int
     first_text: str
-    def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_text: _Optional[str] = ...) -> None: ...
+    timings: PhaseTimings
+    def __init__(self, first_token: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_text: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -165,7 +189,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "kv_source")
+    __slots__ = ("index", "token_ids", "text", "logprobs", "finish_reason", "stop_reason", "num_prompt_tokens", "num_cached_tokens", "kv_source", "timings")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +199,7 @@ class GenerateChunk(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -184,4 +209,5 @@ class GenerateChunk(_message.Message):
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_source: str
-    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_source: _Optional[str] = ...) -> None: ...
+    timings: PhaseTimings
+    def __init__(self, index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_source: _Optional[str] = ..., timings: _Optional[_Union[PhaseTimings, _Mapping]] = ...) -> None: ...

@@ -39,6 +39,11 @@ class PrefillServiceStub:
                 request_serializer=protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/pdserve.v1.PrefillService/PrefillStream',
+                request_serializer=protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve__pb2.PrefillEvent.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/pdserve.v1.PrefillService/Release',
                 request_serializer=protos_dot_pdserve__pb2.ReleaseRequest.SerializeToString,
@@ -56,6 +61,13 @@ class PrefillServiceServicer:
 
     def Prefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """The KV streamed while the prompt is computed: a streaming KVHandle first, then the answer.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -79,6 +91,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=protos_dot_pdserve__pb2.PrefillRequest.FromString,
+                    response_serializer=protos_dot_pdserve__pb2.PrefillEvent.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -118,6 +135,33 @@ class PrefillService:
             '/pdserve.v1.PrefillService/Prefill',
             protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             protos_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/PrefillStream',
+            protos_dot_pdserve__pb2.PrefillRequest.SerializeToString,
+            protos_dot_pdserve__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -237,7 +237,7 @@ async def _collect(
             _check_not_aborted(chunk)
             clock.tick(chunk)
             builder.add(index, chunk)
-    builder.usage.cached_tokens = sum(s.num_cached_tokens for s in subs)
+    _finish_usage(builder, subs)
 
 
 async def _events(
@@ -260,7 +260,7 @@ async def _events(
                 if event is not None:
                     started = True
                     yield event
-        builder.usage.cached_tokens = sum(s.num_cached_tokens for s in subs)
+        _finish_usage(builder, subs)
         if builder.include_usage:
             yield builder.usage_event()
         yield DONE
@@ -273,6 +273,14 @@ async def _events(
     finally:
         gateway.release(slots)
         clock.finish(builder)
+
+
+def _finish_usage(builder: ResponseBuilder, subs: list[SubRequest]) -> None:
+    builder.usage.cached_tokens = sum(s.num_cached_tokens for s in subs)
+    builder.usage.timings = [
+        {"kv_source": s.kv_source, **{f"{k}_ms": round(v * 1e3, 2) for k, v in s.timings.items()}}
+        for s in subs
+    ]
 
 
 def _check_not_aborted(chunk: Chunk) -> None:

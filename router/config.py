@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings import parse_size, secret, setting
+from router.disaggregation import DISAGGREGATION_POLICIES
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
 LIMITS = (
@@ -54,6 +55,28 @@ class RouterConfig:
     )
     prefix_load_weight: float = setting(
         0.5, "prefix_aware: how much a worker's load counts against its cached prefix"
+    )
+    disaggregation: str = setting(
+        "conditional",
+        "where a prompt is computed when both pools exist: conditional (on its decode worker "
+        "when short, mostly cached there, or the prefill pool is busy) or always (on a "
+        "prefill worker)",
+        choices=DISAGGREGATION_POLICIES,
+    )
+    local_prefill_tokens: int = setting(
+        256,
+        "conditional: a prompt with at most this many tokens its decode worker does not cache "
+        "is computed by that decode worker",
+    )
+    prefill_busy_tokens: int = setting(
+        2048,
+        "conditional: when the least busy prefill worker has more prompt tokens in flight than "
+        "this, prompts with no more uncached tokens than that go to their decode worker",
+    )
+    stream_kv: bool = setting(
+        True,
+        "pull a prompt's KV while it is computed, block by block (else after the prefill)",
+        flag="--no-stream-kv",
     )
     max_concurrency: int = setting(
         512, "sub-requests in flight (prompts x n), at most; more get 429"

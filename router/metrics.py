@@ -70,6 +70,29 @@ class RouterMetrics:
             ["pool", "reason"],
             registry=r,
         )
+        self.disaggregation = Counter(
+            "pdserve_router_disaggregation_decisions",
+            "Where prompts were computed when both pools existed: remote (a prefill worker) or "
+            "local (the decode worker), and why",
+            ["decision", "reason"],
+            registry=r,
+        )
+        self.kv_sources = Counter(
+            "pdserve_router_kv_sources",
+            "How requests got their prompt's KV: pulled from a prefill worker, recomputed by the "
+            "decode worker after a failed pull, local (computed there by choice), colocated",
+            ["source"],
+            registry=r,
+        )
+        self.phase_seconds = Histogram(
+            "pdserve_router_ttft_phase_seconds",
+            "The phases on a request's way to its first tokens: prefill_queue, prefill_compute, "
+            "kv_transfer, kv_transfer_exposed (after the prefill ended), decode_queue, "
+            "decode_first_step (local and colocated prompts: their prefill)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             "pdserve_router_prompt_tokens", "Prompt tokens of served requests", registry=r
         )

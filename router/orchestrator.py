@@ -31,6 +31,7 @@ from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
@@ -41,9 +42,10 @@ from common.wire import params_to_proto, token_metadata
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from router.config import RouterConfig
+from router.disaggregation import Decision, RequestFacts, make_disaggregation_policy
 from router.errors import APIError
 from router.metrics import RouterMetrics
-from router.policies import PolicyContext, RouteRequest, RoutingPolicy, make_policy
+from router.policies import PolicyContext, PrefixIndex, RouteRequest, RoutingPolicy, make_policy
 from services.registry import ROLES, RegistryView, Role, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,8 @@ class SubRequest:
     params: SamplingParams
     num_cached_tokens: int = 0  # filled in: prompt tokens a worker's prefix cache already held
     worker_ids: list[str] = field(default_factory=list)  # filled in: who served it
+    kv_source: str = ""  # filled in: pulled | recomputed | local | colocated
+    timings: dict[str, float] = field(default_factory=dict)  # filled in: phase -> seconds
 
 
 class MidStreamError(APIError):
@@ -102,9 +106,15 @@ class Orchestrator:
         self.metrics = metrics
         self.accepts = accepts
         self.in_flight: Counter[str] = Counter()
+        self.prefill_tokens: Counter[str] = Counter()  # worker id -> prompt tokens in flight
         # Calls open on each pool's workers: the requests this router has in that pool's hands.
         self.num_pool_requests: dict[Role, int] = dict.fromkeys(ROLES, 0)
         context = PolicyContext(view, self.in_flight, config.prefix_load_weight)
+        assert context.prefixes is not None
+        self.prefixes: PrefixIndex = context.prefixes
+        self.disaggregation = make_disaggregation_policy(
+            config.disaggregation, config.local_prefill_tokens, config.prefill_busy_tokens
+        )
         self.policies: dict[Role, RoutingPolicy] = {
             "prefill": make_policy(config.prefill_policy, context),
             "decode": make_policy(config.decode_policy, context),
@@ -121,11 +131,18 @@ class Orchestrator:
         """Live, not draining, serving this router's model with this router's tokenizer."""
         return [w for w in self.view.workers(role) if self.accepts(w) is None]
 
-    def prefill_candidates(self) -> list[WorkerRecord]:
-        decode_keys = {d.fingerprint for d in self.routable("decode")}
-        return [p for p in self.routable("prefill") if p.fingerprint in decode_keys]
+    def prefill_candidates(self, decode: WorkerRecord | None = None) -> list[WorkerRecord]:
+        """Prefill workers some decode worker (``decode``, when given) can pull from."""
+        if decode is None:
+            keys = {d.fingerprint for d in self.routable("decode")}
+            return [p for p in self.routable("prefill") if p.fingerprint in keys]
+        return [p for p in self.routable("prefill") if p.fingerprint == decode.fingerprint]
 
-    def decode_candidates(self, prefill: WorkerRecord) -> list[WorkerRecord]:
+    def decode_candidates(self, prefill: WorkerRecord | None = None) -> list[WorkerRecord]:
+        """Decode workers that can pull from ``prefill`` (any prefill worker, when None)."""
+        if prefill is None:
+            keys = {p.fingerprint for p in self.routable("prefill")}
+            return [d for d in self.routable("decode") if d.fingerprint in keys]
         return [d for d in self.routable("decode") if d.fingerprint == prefill.fingerprint]
 
     def kv_usage(self, role: Role) -> float:
@@ -151,7 +168,11 @@ class Orchestrator:
         """Chunks of ``sub``; APIError before the first chunk, MidStreamError after it."""
         route = RouteRequest(sub.prompt_token_ids)
         if self.prefill_candidates():
-            stream = self._disaggregated(sub, route)
+            decode = await self._choose("decode", self.decode_candidates(), route)
+            if (await self._decide(sub, route, decode)).remote:
+                stream = self._disaggregated(sub, route, decode)
+            else:
+                stream = self._local(sub, route, decode)
         elif self.routable("colocated"):
             stream = self._colocated(sub, route)
         else:
@@ -162,12 +183,49 @@ class Orchestrator:
         async with aclosing(stream):  # closed now, not when collected: the worker aborts at once
             async for chunk in stream:
                 yield chunk
+        self._record(sub)
+
+    async def _decide(
+        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
+    ) -> Decision:
+        """Where ``sub``'s prompt is computed, by the disaggregation policy (counted, traced)."""
+        hashes = route.block_hashes(decode.fingerprint.block_size)
+        cached = (await self.prefixes.cached_blocks([decode], hashes))[decode.worker_id]
+        queued = min(
+            (self.prefill_tokens[p.worker_id] for p in self.prefill_candidates(decode)), default=0
+        )
+        facts = RequestFacts(
+            len(sub.prompt_token_ids), cached * decode.fingerprint.block_size, queued
+        )
+        decision = self.disaggregation.decide(facts)
+        self.metrics.disaggregation.labels(decision=decision.label, reason=decision.reason).inc()
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("pdserve.disaggregation", f"{decision.label}:{decision.reason}")
+        self.prefixes.remember(decode.worker_id, hashes)  # it will cache them either way
+        return decision
+
+    async def _local(
+        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
+    ) -> AsyncGenerator[Chunk, None]:
+        """The decode worker computes the prompt itself (no KV transfer)."""
+        request = pb.GenerateRequest(
+            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(sub.params)
+        )
+        stream = self._stream_with_retries(
+            "decode", sub, route, request, self.decode_candidates, first_choice=decode
+        )
+        async with aclosing(stream):
+            async for chunk in stream:
+                yield chunk
 
     async def _disaggregated(
-        self, sub: SubRequest, route: RouteRequest
+        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
     ) -> AsyncGenerator[Chunk, None]:
-        prefill, answer = await self._prefill(sub, route)
+        prefill, answer = await self._prefill(sub, route, decode)
         sub.num_cached_tokens = answer.num_cached_tokens
+        sub.timings["prefill_queue"] = answer.timings.queue_s
+        sub.timings["prefill_compute"] = answer.timings.compute_s
         yield Chunk(
             index=0,
             text=answer.first_text,
@@ -176,6 +234,7 @@ class Orchestrator:
             finish_reason=answer.finish_reason or None,
         )
         if answer.finish_reason:  # the first token ended sequence 0; nothing is pinned
+            sub.kv_source = "pulled"
             if sub.params.n > 1:
                 async for chunk in self._other_sequences(sub, route, prefill):
                     yield chunk
@@ -189,7 +248,12 @@ class Orchestrator:
         )
         handed_over = False
         stream = self._stream_with_retries(
-            "decode", sub, route, request, lambda: self.decode_candidates(prefill)
+            "decode",
+            sub,
+            route,
+            request,
+            lambda: self.decode_candidates(prefill),
+            first_choice=decode,
         )
         try:
             async with aclosing(stream):
@@ -231,12 +295,12 @@ class Orchestrator:
                 yield chunk
 
     async def _prefill(
-        self, sub: SubRequest, route: RouteRequest
+        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
     ) -> tuple[WorkerRecord, pb.PrefillResponse]:
         failed: set[str] = set()
         last = "no prefill worker is alive"
         for attempt in range(self.config.max_attempts):
-            candidates = [p for p in self.prefill_candidates() if p.worker_id not in failed]
+            candidates = [p for p in self.prefill_candidates(decode) if p.worker_id not in failed]
             if not candidates:
                 break
             worker = await self._choose("prefill", candidates, route)
@@ -248,7 +312,7 @@ class Orchestrator:
             span = _attempt_span("prefill", worker, attempt, request.request_id)
             with tracing.ending(span):
                 try:
-                    with self._tracked(worker) as channel:
+                    with self._tracked(worker) as channel, self._queued(worker, sub):
                         answer = await pb_grpc.PrefillServiceStub(channel).Prefill(
                             request,
                             timeout=self.config.prefill_timeout_seconds,
@@ -270,8 +334,10 @@ class Orchestrator:
         route: RouteRequest,
         request: pb.GenerateRequest,
         candidates_fn,  # type: ignore[no-untyped-def]
+        first_choice: WorkerRecord | None = None,
     ) -> AsyncGenerator[Chunk, None]:
-        """Generate on a worker of ``pool``, moving to another one until the first chunk."""
+        """Generate on a worker of ``pool`` (``first_choice`` first, when it is still a
+        candidate), moving to another one until the first chunk."""
         failed: set[str] = set()
         last = f"no {pool} worker is alive"
         deadline = time.monotonic() + self.config.request_timeout_seconds
@@ -279,7 +345,10 @@ class Orchestrator:
             candidates = [w for w in candidates_fn() if w.worker_id not in failed]
             if not candidates:
                 break
-            worker = await self._choose(pool, candidates, route)
+            if first_choice is not None and first_choice in candidates:
+                worker, first_choice = first_choice, None
+            else:
+                worker = await self._choose(pool, candidates, route)
             request.request_id = _attempt_id(sub.request_id, pool[0], attempt)
             span = _attempt_span(pool, worker, attempt, request.request_id)
             started, num_tokens = False, 0
@@ -296,8 +365,7 @@ class Orchestrator:
                             if not started:
                                 started = True
                                 sub.worker_ids.append(worker.worker_id)
-                                if pool == "colocated":
-                                    sub.num_cached_tokens = message.num_cached_tokens
+                                _first_message(sub, pool, message)
                             num_tokens += len(message.token_ids)
                             yield _chunk(message, sub.params.logprobs is not None)
                     span.set_attribute("pdserve.output_tokens", num_tokens)
@@ -347,6 +415,25 @@ class Orchestrator:
             details,
         )
         return f"{worker.worker_id}: {code.name}: {details}"
+
+    def _record(self, sub: SubRequest) -> None:
+        """Count how ``sub`` got its KV and observe its phases."""
+        if sub.kv_source:
+            self.metrics.kv_sources.labels(source=sub.kv_source).inc()
+        for phase, seconds in sub.timings.items():
+            self.metrics.phase_seconds.labels(phase=phase).observe(seconds)
+
+    @contextmanager
+    def _queued(self, worker: WorkerRecord, sub: SubRequest) -> Iterator[None]:
+        """``sub``'s prompt counts in the prefill worker's queue while its Prefill call runs."""
+        tokens = len(sub.prompt_token_ids)
+        self.prefill_tokens[worker.worker_id] += tokens
+        try:
+            yield
+        finally:
+            self.prefill_tokens[worker.worker_id] -= tokens
+            if not self.prefill_tokens[worker.worker_id]:
+                del self.prefill_tokens[worker.worker_id]
 
     @contextmanager
     def _tracked(self, worker: WorkerRecord) -> Iterator[grpc.aio.Channel]:
@@ -399,6 +486,26 @@ def _attempt_id(request_id: str, pool: str, attempt: int) -> str:
 
 def _entries(message: pb.TokenLogprobs) -> list[tuple[int, float]]:
     return [(e.token_id, e.logprob) for e in message.entries]
+
+
+def _first_message(sub: SubRequest, pool: Role, message: pb.GenerateChunk) -> None:
+    """What the first chunk of a Generate stream says about the request's way to it."""
+    t = message.timings
+    if pool == "colocated":
+        sub.num_cached_tokens = message.num_cached_tokens
+        sub.kv_source = "colocated"
+    elif not sub.kv_source:  # n > 1 after a finished sequence 0 keeps "pulled"
+        sub.kv_source = message.kv_source
+    if sub.kv_source in ("local", "colocated"):
+        sub.num_cached_tokens = message.num_cached_tokens
+        sub.timings.update(decode_queue=t.queue_s, decode_first_step=t.compute_s)
+        return
+    sub.timings.update(
+        kv_transfer=t.transfer_s,
+        kv_transfer_exposed=t.transfer_exposed_s,
+        decode_queue=t.queue_s,
+        decode_first_step=t.compute_s,
+    )
 
 
 def _chunk(message: pb.GenerateChunk, with_logprobs: bool) -> Chunk:

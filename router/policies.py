@@ -38,6 +38,51 @@ class RouteRequest:
         return self._hashes[block_size]
 
 
+class PrefixIndex:
+    """Where the leading blocks of a prompt are cached, per worker: the larger of what the
+    worker published in the registry (up to a heartbeat old; looked up within
+    PREFIX_LOOKUP_SECONDS, skipped while Redis is unreachable) and this router's memory of where
+    it sent each block hash recently, which covers the heartbeat gap."""
+
+    def __init__(self, view: RegistryView):
+        self.view = view
+        self._routed: OrderedDict[tuple[str, int], None] = OrderedDict()  # (worker, hash), LRU
+
+    async def cached_blocks(
+        self, candidates: Sequence[WorkerRecord], hashes: list[int]
+    ) -> dict[str, int]:
+        """Worker id -> leading blocks of ``hashes`` it caches."""
+        published = await self._published(candidates, hashes) if hashes else {}
+        return {
+            w.worker_id: max(published.get(w.worker_id, 0), self._remembered(w.worker_id, hashes))
+            for w in candidates
+        }
+
+    def remember(self, worker_id: str, hashes: list[int]) -> None:
+        """``worker_id`` was sent these blocks: it caches them once it computed or pulled them."""
+        for h in hashes:
+            self._routed[(worker_id, h)] = None
+            self._routed.move_to_end((worker_id, h))
+        while len(self._routed) > PREFIX_MEMORY_BLOCKS:
+            self._routed.popitem(last=False)
+
+    async def _published(
+        self, candidates: Sequence[WorkerRecord], hashes: list[int]
+    ) -> dict[str, int]:
+        if self.view.is_stale or not any(w.kv_blocks_cached for w in candidates):
+            return {}
+        ids = [w.worker_id for w in candidates]
+        return await self.view.prefix_match(ids, hashes, timeout=PREFIX_LOOKUP_SECONDS)
+
+    def _remembered(self, worker_id: str, hashes: list[int]) -> int:
+        count = 0
+        for h in hashes:
+            if (worker_id, h) not in self._routed:
+                break
+            count += 1
+        return count
+
+
 @dataclass
 class PolicyContext:
     """What every policy is built with."""
@@ -45,6 +90,11 @@ class PolicyContext:
     view: RegistryView
     in_flight: Mapping[str, int]  # worker id -> requests this router has running there
     prefix_load_weight: float = 0.5
+    prefixes: PrefixIndex | None = None  # shared by the policies and the router (None: own)
+
+    def __post_init__(self) -> None:
+        if self.prefixes is None:
+            self.prefixes = PrefixIndex(self.view)
 
 
 class RoutingPolicy(ABC):
@@ -97,67 +147,36 @@ class LeastLoadedPolicy(RoutingPolicy):
 class PrefixAwarePolicy(RoutingPolicy):
     """The worker caching the longest prefix of the prompt, weighed against its load.
 
-    score = cached prompt blocks / prompt blocks - prefix_load_weight * load / highest load.
-    Cached blocks come from the Redis prefix index (what workers published, up to a heartbeat
-    old) and from this router's memory of where it sent each block hash recently, which covers
-    the heartbeat gap: the second request with a new system prompt follows the first.
+    score = cached prompt blocks / prompt blocks - prefix_load_weight * load / highest load,
+    with the cached blocks from the shared :class:`PrefixIndex` (the registry and this router's
+    memory: the second request with a new system prompt follows the first).
     """
 
     name = "prefix_aware"
 
-    def __init__(self, context: PolicyContext):
-        super().__init__(context)
-        self._routed: OrderedDict[int, str] = OrderedDict()  # block hash -> worker id (LRU)
-
     async def choose(
         self, candidates: Sequence[WorkerRecord], request: RouteRequest
     ) -> WorkerRecord:
+        prefixes = self.context.prefixes
+        assert prefixes is not None
         block_size = candidates[0].fingerprint.block_size
         hashes = request.block_hashes(block_size)
         if not hashes:
             return self.least_loaded(candidates)
         if len(candidates) == 1:  # nothing to choose; remember it for when there is
-            self._remember(candidates[0].worker_id, hashes)
+            prefixes.remember(candidates[0].worker_id, hashes)
             return candidates[0]
-        published = await self._published(candidates, hashes)
+        cached = await prefixes.cached_blocks(candidates, hashes)
         highest = max(self.load(w) for w in candidates) or 1.0
         weight = self.context.prefix_load_weight
 
         def score(w: WorkerRecord) -> float:
-            cached = max(published.get(w.worker_id, 0), self._remembered(w.worker_id, hashes))
-            return cached / len(hashes) - weight * self.load(w) / highest
+            return cached[w.worker_id] / len(hashes) - weight * self.load(w) / highest
 
         best = max(score(w) for w in candidates)
         chosen = self.least_loaded([w for w in candidates if score(w) == best])
-        self._remember(chosen.worker_id, hashes)
+        prefixes.remember(chosen.worker_id, hashes)
         return chosen
-
-    async def _published(
-        self, candidates: Sequence[WorkerRecord], hashes: list[int]
-    ) -> dict[str, int]:
-        """Cached leading blocks per worker from the Redis index; a hint, so it never waits
-        long: bounded by PREFIX_LOOKUP_SECONDS, skipped while Redis is unreachable and when no
-        candidate has published any cached block."""
-        view = self.context.view
-        if view.is_stale or not any(w.kv_blocks_cached for w in candidates):
-            return {}
-        ids = [w.worker_id for w in candidates]
-        return await view.prefix_match(ids, hashes, timeout=PREFIX_LOOKUP_SECONDS)
-
-    def _remembered(self, worker_id: str, hashes: list[int]) -> int:
-        count = 0
-        for h in hashes:
-            if self._routed.get(h) != worker_id:
-                break
-            count += 1
-        return count
-
-    def _remember(self, worker_id: str, hashes: list[int]) -> None:
-        for h in hashes:
-            self._routed[h] = worker_id
-            self._routed.move_to_end(h)
-        while len(self._routed) > PREFIX_MEMORY_BLOCKS:
-            self._routed.popitem(last=False)
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {

@@ -41,14 +41,20 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # pdserve's own: per prompt, how it got its KV and the phases on its way to the first
+    # tokens, in ms (docs/metrics.md, "Per-response timings"); OpenAI's clients keep extra keys.
+    timings: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.timings:
+            usage["pdserve_timings"] = self.timings
+        return usage
 
 
 class ResponseBuilder:

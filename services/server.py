@@ -317,7 +317,7 @@ class Worker:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_blocks_used=stats.kv_blocks_used,
-            kv_blocks_cached=stats.kv_blocks_cached,
+            kv_blocks_cached=stats.num_prefix_blocks,  # what prefix-aware routing looks for
             kv_blocks_total=stats.kv_blocks_total,
         )
 

@@ -37,7 +37,7 @@ from tests.test_up import Up, is_gone
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 ARGS = ["--port", "0", "--prefill", "2", "--decode", "1", "--threads", "1"]
-ARGS += ["--num-blocks", "48", "--max-num-batched-tokens", "64"]
+ARGS += ["--num-blocks", "48", "--max-num-batched-tokens", "64", "--disaggregation", "always"]
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from opentelemetry import trace
 
 from common import tracing
 from services.worker.launcher import WorkerProcess
-from tests.router.cluster import MODEL, Cluster, Router, spawn_router
+from tests.router.cluster import MODEL, ROUTER_ARGS, Cluster, Router, spawn_router
 from tests.services.workers import SMALL
 
 PROMPT = "The capital of France is"
@@ -50,7 +50,7 @@ def traced(redis_server, tmp_path_factory) -> Iterator[tuple[Router, Router, Pat
             "PDSERVE_OTLP_ENDPOINT": "",
             "OTEL_EXPORTER_OTLP_ENDPOINT": "",
         }
-        args = ["--port", "0", "--ttl-seconds", "2", *c.worker_args("--log-requests")]
+        args = [*ROUTER_ARGS, *c.worker_args("--log-requests")]
         c.routers.append(WorkerProcess("router", args, env=off))
         c.routers[-1].spawn()
         plain = Router(c.routers[-1])

@@ -60,6 +60,21 @@ class _Timeline:
     seqs: list[Sequence] = field(default_factory=list)  # the engine's (live list)
     ready: float | None = None  # time.monotonic() when it could join the batch (KV in place)
     kv_source: str = "local"  # pulled | recomputed | local
+    transfer_s: float = 0.0  # the KV pull, all of it
+    transfer_exposed_s: float = 0.0  # the part of it after the prefill worker was done
+
+    def timings(self) -> pb.PhaseTimings:
+        """Queue (KV in place, or arrival, -> first step), first step, and the pull."""
+        seq = self.seqs[0] if self.seqs else None
+        if seq is None or seq.first_scheduled_time is None or seq.first_token_time is None:
+            return pb.PhaseTimings(transfer_s=self.transfer_s)
+        ready = self.ready if self.ready is not None else seq.arrival
+        return pb.PhaseTimings(
+            queue_s=max(0.0, seq.first_scheduled_time - ready),
+            compute_s=seq.first_token_time - seq.first_scheduled_time,
+            transfer_s=self.transfer_s,
+            transfer_exposed_s=self.transfer_exposed_s,
+        )
 
     def child(self, name: str, kind: SpanKind = SpanKind.INTERNAL) -> Span:
         """A span started now under the decode span (end it, e.g. with ``tracing.ending``)."""
@@ -156,6 +171,8 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         first, last = True, time.perf_counter()
         async for output in self.engine.outputs(rid, stream):
             for chunk in chunks_from_output(output, kv_source, first):
+                if first:
+                    chunk.timings.CopyFrom(timeline.timings())
                 yield chunk
             now = time.perf_counter()
             if not first:
@@ -255,10 +272,11 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             outcome = "pulled" if error is None else "recomputed"
             if error is not None and self.config.on_pull_failure == "fail":
                 outcome = "failed"
+            timeline.transfer_s = timeline.transfer_exposed_s = time.perf_counter() - start
             span.set_attributes(
                 {
                     "pdserve.kv.bytes": num_bytes,
-                    "pdserve.kv.duration_s": time.perf_counter() - start,
+                    "pdserve.kv.duration_s": timeline.transfer_s,
                     "pdserve.kv.outcome": outcome,
                 }
             )

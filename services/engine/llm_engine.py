@@ -273,6 +273,7 @@ class LLMEngine:
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_evictable_blocks,
             kv_blocks_free=pool.num_empty_blocks,
+            num_prefix_blocks=pool.num_cached_blocks,
             prefix_cache_queries=pool.num_prefix_query_tokens,
             prefix_cache_hits=pool.num_prefix_hit_tokens,
             num_preemptions=sched.num_preemptions,

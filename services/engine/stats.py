@@ -16,6 +16,7 @@ class EngineStats:
     kv_blocks_used: int = 0  # referenced by a sequence
     kv_blocks_cached: int = 0  # not referenced, holding a reusable prefix (evicted on demand)
     kv_blocks_free: int = 0  # holding nothing
+    num_prefix_blocks: int = 0  # full blocks indexed in the prefix cache, referenced or not
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_preemptions: int = 0  # since start

@@ -115,6 +115,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             first_token=out.token_ids[0],
             first_text=out.text,
             num_cached_tokens=final.num_cached_tokens,
+            timings=prefill_timings(seqs[0]),
         )
         if out.logprobs:
             response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
@@ -169,6 +170,16 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                 log.info("lease of %s expired; freeing its blocks", request_id)
                 self.metrics.lease_expirations.inc()
             await asyncio.sleep(interval)
+
+
+def prefill_timings(seq: Sequence) -> pb.PhaseTimings:
+    """Queue (admitted -> first scheduled) and compute (-> first token) of a prefill."""
+    if seq.first_scheduled_time is None or seq.first_token_time is None:
+        return pb.PhaseTimings()
+    return pb.PhaseTimings(
+        queue_s=seq.first_scheduled_time - seq.arrival,
+        compute_s=seq.first_token_time - seq.first_scheduled_time,
+    )
 
 
 def _merged(first: RequestOutput, later: RequestOutput) -> RequestOutput:

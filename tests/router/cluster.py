@@ -20,6 +20,10 @@ from services.worker.launcher import WorkerProcess
 from tests.services.workers import SMALL, metric
 
 MODEL = "SmolLM2-135M-Instruct"
+# The gateway tests exercise the disaggregated flow: every prompt through a prefill worker
+# (tests/router/test_disaggregation.py covers the conditional default, which a later flag
+# overrides).
+ROUTER_ARGS = ["--port", "0", "--ttl-seconds", "2", "--disaggregation", "always"]
 
 
 @dataclass
@@ -45,7 +49,7 @@ class Cluster:
         return started
 
     def add_router(self, *extra: str) -> Router:
-        args = ["--port", "0", "--ttl-seconds", "2", *self.worker_args(*extra)]
+        args = [*ROUTER_ARGS, *self.worker_args(*extra)]
         process = WorkerProcess("router", args)
         self.routers.append(process)
         process.start()
@@ -151,7 +155,7 @@ def spawn_workers(c: Cluster, *roles: str) -> list[WorkerProcess]:
 
 def spawn_router(c: Cluster, *extra: str) -> Router:
     """Like ``Cluster.add_router`` without waiting: ``router.process.wait_ready()`` later."""
-    args = ["--port", "0", "--ttl-seconds", "2", *c.worker_args(*extra)]
+    args = [*ROUTER_ARGS, *c.worker_args(*extra)]
     process = WorkerProcess("router", args)
     c.routers.append(process)
     process.spawn()

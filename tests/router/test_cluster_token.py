@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from services.worker.launcher import WorkerProcess
-from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+from tests.router.cluster import MODEL, ROUTER_ARGS, Cluster, Router, blocks_in_use, wait_until
 from tests.services.workers import SMALL, metric
 
 TOKEN = "cluster-s3cret"
@@ -38,7 +38,7 @@ def secured(redis_server):  # type: ignore[no-untyped-def]
 
 
 def _router(c: Cluster, token: str, *extra: str) -> Router:
-    args = ["--port", "0", "--ttl-seconds", "2", *c.worker_args(*extra)]
+    args = [*ROUTER_ARGS, *c.worker_args(*extra)]
     process = WorkerProcess("router", args, env={"PDSERVE_CLUSTER_TOKEN": token})
     c.routers.append(process)
     process.start()

@@ -1,0 +1,99 @@
+"""Per-request disaggregation: whether a request's prompt is computed on a prefill worker (its
+KV then pulled by the decode worker) or by the decode worker itself.
+
+A prefill worker pays off for long prompts: their compute would stall a decode worker's batch.
+For a short prompt, or one whose prefix the decode worker already caches, the queue at the
+prefill pool, the KV transfer and the extra hop cost more than computing the few uncached
+tokens where the tokens will be decoded anyway. A policy sees what the router knows when the
+request arrives: the prompt's length, how much of it the chosen decode worker caches (the
+registry's prefix index and the router's own memory of where it sent prompts), and the prompt
+tokens the least busy prefill worker still has in flight from this router.
+
+Policies are one class each (``always``, ``conditional``), chosen by ``--disaggregation``; every
+decision is counted (``pdserve_router_disaggregation_decisions_total{decision, reason}``) and
+set on the request's trace.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+DISAGGREGATION_POLICIES = ("conditional", "always")
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What a disaggregation policy may look at for one request."""
+
+    prompt_tokens: int
+    cached_tokens: int  # of them, already in the chosen decode worker's prefix cache
+    prefill_queue_tokens: int  # prompt tokens in flight on the least busy prefill worker
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens)
+
+
+@dataclass(frozen=True)
+class Decision:
+    remote: bool  # True: prefill on a prefill worker; False: on the decode worker
+    reason: str  # a short word, the metrics label
+
+    @property
+    def label(self) -> str:
+        return "remote" if self.remote else "local"
+
+
+class DisaggregationPolicy(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def decide(self, facts: RequestFacts) -> Decision:
+        """Where this request's prompt is computed."""
+
+
+class AlwaysDisaggregate(DisaggregationPolicy):
+    """Every prompt on a prefill worker (the classic disaggregated deployment)."""
+
+    name = "always"
+
+    def decide(self, facts: RequestFacts) -> Decision:
+        return Decision(True, "always")
+
+
+class ConditionalDisaggregation(DisaggregationPolicy):
+    """Prefill on the decode worker when that is cheaper than going through the prefill pool:
+
+    - ``local_tokens``: a prompt with at most this many uncached tokens is computed locally
+      (reason ``short``, or ``cached`` when its decode worker caches the rest);
+    - ``busy_tokens``: when even the least busy prefill worker has more prompt tokens in flight
+      than this, a prompt no longer than that wait is computed locally (``prefill_busy``);
+    - anything else on a prefill worker (``long``).
+    """
+
+    name = "conditional"
+
+    def __init__(self, local_tokens: int, busy_tokens: int):
+        self.local_tokens = local_tokens
+        self.busy_tokens = busy_tokens
+
+    def decide(self, facts: RequestFacts) -> Decision:
+        uncached = facts.uncached_tokens
+        if uncached <= self.local_tokens:
+            cached = facts.prompt_tokens > self.local_tokens
+            return Decision(False, "cached" if cached else "short")
+        if facts.prefill_queue_tokens > self.busy_tokens and uncached <= self.busy_tokens:
+            return Decision(False, "prefill_busy")
+        return Decision(True, "long")
+
+
+def make_disaggregation_policy(
+    name: str, local_tokens: int, busy_tokens: int
+) -> DisaggregationPolicy:
+    if name == "always":
+        return AlwaysDisaggregate()
+    if name == "conditional":
+        return ConditionalDisaggregation(local_tokens, busy_tokens)
+    raise ValueError(f"unknown disaggregation policy {name!r}; one of {DISAGGREGATION_POLICIES}")

@@ -1,0 +1,128 @@
+"""Per-request disaggregation: the ``conditional`` policy's rule, then a real router deciding
+for real requests (a prefill and a decode worker): short prompts and prompts the decode worker
+already caches are computed there, long ones on the prefill worker; every decision is counted,
+the response's usage says how the request got its KV and how long each phase took, and the
+router's phase histograms fill."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from router.disaggregation import (
+    AlwaysDisaggregate,
+    ConditionalDisaggregation,
+    Decision,
+    RequestFacts,
+    make_disaggregation_policy,
+)
+from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+
+LOCAL, BUSY = 64, 256
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "queued", "expected"),
+    [
+        (40, 0, 0, Decision(False, "short")),
+        (LOCAL, 0, 10_000, Decision(False, "short")),
+        (300, 260, 0, Decision(False, "cached")),  # 40 uncached
+        (200, 0, 0, Decision(True, "long")),
+        (200, 0, BUSY + 1, Decision(False, "prefill_busy")),  # shorter than the wait
+        (400, 0, BUSY + 1, Decision(True, "long")),  # longer than the wait: still remote
+        (400, 0, BUSY, Decision(True, "long")),
+    ],
+)
+def test_the_conditional_rule(prompt: int, cached: int, queued: int, expected: Decision) -> None:
+    policy = ConditionalDisaggregation(LOCAL, BUSY)
+    assert policy.decide(RequestFacts(prompt, cached, queued)) == expected
+
+
+def test_always_and_unknown_policies() -> None:
+    assert AlwaysDisaggregate().decide(RequestFacts(1, 1, 0)) == Decision(True, "always")
+    assert make_disaggregation_policy("always", 1, 1).name == "always"
+    with pytest.raises(ValueError, match="unknown disaggregation policy"):
+        make_disaggregation_policy("sometimes", 1, 1)
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_server) -> Iterator[tuple[Cluster, Router]]:  # type: ignore[no-untyped-def]
+    c = Cluster(redis_server.url)
+    try:
+        c.add_workers("prefill", "decode")
+        router = c.add_router(
+            "--disaggregation",
+            "conditional",
+            "--local-prefill-tokens",
+            str(LOCAL),
+            "--prefill-busy-tokens",
+            str(BUSY),
+        )
+        router.wait_ready(num_workers=2)
+        yield c, router
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
+
+
+def complete(router: Router, prompt: str) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0}
+    response = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def decisions(router: Router, decision: str, reason: str) -> float:
+    labels = f'decision="{decision}",reason="{reason}"'
+    return router.metric("pdserve_router_disaggregation_decisions_total", labels)
+
+
+def test_short_long_and_cached_prompts_go_where_they_cost_least(cluster) -> None:  # type: ignore[no-untyped-def]
+    c, router = cluster
+    short = complete(router, "The capital of France is")
+    [timing] = short["usage"]["pdserve_timings"]
+    assert timing["kv_source"] == "local"
+    assert "prefill_queue_ms" not in timing and timing["decode_first_step_ms"] > 0
+    assert decisions(router, "local", "short") == 1
+
+    document = "Paged attention stores keys and values in fixed-size blocks. " * 14  # ~170 tokens
+    long = complete(router, document + "Summarize:")
+    [timing] = long["usage"]["pdserve_timings"]
+    assert timing["kv_source"] == "pulled"
+    for phase in ("prefill_queue", "prefill_compute", "kv_transfer", "decode_queue"):
+        assert timing[f"{phase}_ms"] >= 0, timing
+    assert timing["prefill_compute_ms"] > 0 and timing["kv_transfer_ms"] > 0
+    assert decisions(router, "remote", "long") == 1
+
+    again = complete(router, document + "List the key points:")  # same ~170-token prefix
+    [timing] = again["usage"]["pdserve_timings"]
+    assert timing["kv_source"] == "local"
+    assert decisions(router, "local", "cached") == 1
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 160
+
+    for source, count in (("local", 2), ("pulled", 1)):
+        labels = f'source="{source}"'
+        assert router.metric("pdserve_router_kv_sources_total", labels) == count
+    for phase in ("prefill_compute", "kv_transfer", "decode_first_step"):
+        labels = f'phase="{phase}"'
+        assert router.metric("pdserve_router_ttft_phase_seconds_count", labels) >= 1
+    for worker in c.workers:
+        assert wait_until(lambda w=worker: blocks_in_use(w) == 0)
+
+
+def test_the_usage_field_streams_too(cluster) -> None:  # type: ignore[no-untyped-def]
+    _, router = cluster
+    body = {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    response = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
+    usage_events = [line for line in response.text.splitlines() if '"usage":{' in line]
+    assert usage_events and '"pdserve_timings":[{"kv_source":"local"' in usage_events[-1]
