@@ -33,7 +33,7 @@ protos: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy services kernels pdserve
+	$(VENV)/bin/mypy services kernels pdserve router kvtransfer common loadtest
 
 bench: setup
 	$(PY) benchmarks/kv_waste.py

@@ -1,14 +1,19 @@
-"""Goodput of three ways to spend the same 2 cores: disaggregated, two colocated, one colocated.
+"""Goodput of four ways to spend the same 2 cores: disaggregated (always, or per request), two
+colocated, one colocated.
 
 The same workload (the loadtest's presets, Poisson arrivals at each rate of a sweep, streamed
 completions with ``ignore_eos`` so output lengths are exact) is sent through the real router
 (``pdserve router``, a real Redis registry) to each of:
 
 - ``disagg``: 1 prefill + 1 decode worker, pinned to core 0 and core 1, ``--threads 1`` each,
-  KV moved over loopback tcp;
+  KV moved over loopback tcp and streamed while the prompt computes; every prompt goes through
+  the prefill worker (``--disaggregation always``);
+- ``disagg-cond``: the same workers, the router deciding per request (``--disaggregation
+  conditional``, the default): short or mostly cached prompts are computed on the decode worker;
 - ``2xcoloc``: two colocated workers, one per core, ``--threads 1`` each;
 - ``1xcoloc``: one colocated worker on both cores, ``--threads 2``, chunked prefill with a
-  256-token step budget (prefill chunks ride along with the decode steps).
+  256-token step budget (prefill chunks ride along with the decode steps);
+- ``disagg-whole`` (not run by default): ``disagg`` with the KV pulled once the prefill is done.
 
 The router, Redis and this client are not pinned: they share the two cores with the workers,
 alike for every configuration. Workers start once per configuration and serve every preset and
@@ -16,19 +21,21 @@ rate. Preset input/output lengths are scaled by ``--input-scale``/``--output-sca
 presets' ISL 2000-4000 would take seconds of prefill each on this CPU).
 
 Before the sweep, each configuration serves ``--baseline-prompts`` requests one at a time: its
-unloaded TTFT and TPOT. SLOs (unless given): TTFT 5x and TPOT 3x the best configuration's
-unloaded mean. Measured per configuration, preset and rate: goodput (req/s completed within
-both SLOs), SLO attainment (good / sent), TTFT/TPOT/ITL p50/p99, output tokens/s; per
-configuration and preset, the max rate under SLO (attainment >= 0.9, interpolated between the
-swept rates). Then, per configuration, the interference experiment of
+unloaded latencies. SLOs (unless given): TTFT 5x, TPOT 3x the best configuration's unloaded
+mean, and each request's own ITL p99 at most 3x the best unloaded ITL p99 (a stall bound: users
+feel stalls, not means). Measured per configuration, preset and rate: goodput (req/s completed
+within all three SLOs), SLO attainment (good / sent), TTFT/TPOT/ITL p50/p99, output tokens/s;
+per configuration and preset, the max rate under SLO (attainment >= 0.9, interpolated between
+the swept rates). Then, per configuration, the interference experiment of
 ``benchmarks/interference.py``: ITL of running streams while 1024-token prompts arrive.
 
     python benchmarks/goodput.py [--quick] [--presets chatbot mixed] [--rates 0.5,1,2]
-        [--num-prompts 30] [--configs disagg 2xcoloc 1xcoloc] [--no-interference]
+        [--num-prompts 30] [--configs disagg disagg-cond 2xcoloc 1xcoloc] [--no-interference]
 
 Prints the command, the machine, the SLOs and a table per preset; writes goodput.json,
-goodput.png (goodput, TTFT p99 and TPOT p99 vs rate) and interference.png to --out-dir
-(default benchmarks/results/). The default (all three presets) takes about 28 minutes.
+goodput.png (goodput, TTFT p99, TPOT p99 and ITL p99 vs rate) and interference.png to
+--out-dir (default benchmarks/results/). The default (four configurations, three presets) takes
+about 40 minutes.
 """
 
 from __future__ import annotations
@@ -66,10 +73,19 @@ from services.worker.launcher import WorkerProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 # name -> workers as (role, cores, torch threads)
+PAIR = [("prefill", {0}, 1), ("decode", {1}, 1)]
 CONFIGS: dict[str, list[tuple[str, set[int], int]]] = {
-    "disagg": [("prefill", {0}, 1), ("decode", {1}, 1)],
+    "disagg": PAIR,
+    "disagg-cond": PAIR,
     "2xcoloc": [("colocated", {0}, 1), ("colocated", {1}, 1)],
     "1xcoloc": [("colocated", {0, 1}, 2)],
+    "disagg-whole": PAIR,
+}
+DEFAULT_CONFIGS = ["disagg", "disagg-cond", "2xcoloc", "1xcoloc"]
+ROUTER_FLAGS = {
+    "disagg": ["--disaggregation", "always"],
+    "disagg-cond": ["--disaggregation", "conditional"],
+    "disagg-whole": ["--disaggregation", "always", "--no-stream-kv"],
 }
 # (c) is the chunked-prefill configuration: a 256-token budget per step splits a long prompt
 # over several steps, so running streams still get a token per step (the default budget, 2048,
@@ -86,7 +102,7 @@ ATTAINMENT_TARGET = 0.9  # "under SLO": at least this share of requests meets bo
 # Prefix caching off: every rate resends the same prompts, which would otherwise skip prefill.
 WORKER_FLAGS = ["--heartbeat-seconds", "0.5", "--ttl-seconds", "2", "--kv-transport", "tcp"]
 WORKER_FLAGS += ["--no-prefix-caching"]
-TTFT_FACTOR, TPOT_FACTOR = 5.0, 3.0
+TTFT_FACTOR, TPOT_FACTOR, ITL_FACTOR = 5.0, 3.0, 3.0
 
 # -- the workload -------------------------------------------------------------------------------
 
@@ -168,9 +184,8 @@ def deployed(name: str, redis_url: str) -> Iterator[Deployment]:
             deployment.processes.append(w)
         for w in workers:
             w.wait_ready()
-        router = WorkerProcess(
-            "router", ["--port", "0", "--ttl-seconds", "2", *registry], {"PYTHONPATH": str(ROOT)}
-        )
+        router_args = ["--port", "0", "--ttl-seconds", "2", *ROUTER_FLAGS.get(name, []), *registry]
+        router = WorkerProcess("router", router_args, {"PYTHONPATH": str(ROOT)})
         deployment.processes.append(router)
         router.start()
         deployment.url = str(router.info["url"])
@@ -274,11 +289,19 @@ def measure(
 
 
 def slos_for(runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace) -> dict[str, float]:
-    """TTFT/TPOT limits in ms: given, or a multiple of the best configuration's unloaded mean."""
-    unloaded = {name: compute(by_key["base"]).stats for name, by_key in runs.items()}
+    """TTFT/TPOT/ITL-p99 limits in ms: given, or a multiple of the best configuration's
+    unloaded figure (mean TTFT, mean TPOT, p99 ITL)."""
+    unloaded = {
+        name: compute(by_key["base"], percentiles=(99.0,)).stats for name, by_key in runs.items()
+    }
     ttft = min(s["mean_ttft_ms"] for s in unloaded.values()) * TTFT_FACTOR
     tpot = min(s["mean_tpot_ms"] for s in unloaded.values()) * TPOT_FACTOR
-    return {"ttft": args.slo_ttft_ms or round(ttft, 1), "tpot": args.slo_tpot_ms or round(tpot, 1)}
+    itl = min(s["p99_itl_ms"] for s in unloaded.values()) * ITL_FACTOR
+    return {
+        "ttft": args.slo_ttft_ms or round(ttft, 1),
+        "tpot": args.slo_tpot_ms or round(tpot, 1),
+        "itl_p99": args.slo_itl_p99_ms or round(itl, 1),
+    }
 
 
 def max_rate_under_slo(rows: dict[str, dict[str, float]]) -> tuple[float, str]:
@@ -341,7 +364,10 @@ def summarize(
 
 def print_preset(preset: str, result: dict[str, Any]) -> None:
     slos = result["slos_ms"]
-    print(f"\n{preset}: SLOs TTFT <= {slos['ttft']:.0f} ms, TPOT <= {slos['tpot']:.1f} ms")
+    print(
+        f"\n{preset}: SLOs TTFT <= {slos['ttft']:.0f} ms, TPOT <= {slos['tpot']:.1f} ms, "
+        f"each request's ITL p99 <= {slos['itl_p99']:.0f} ms"
+    )
     for name, u in result["unloaded"].items():
         print(
             f"  unloaded {name:<8} TTFT p50 {u['p50_ttft_ms']:7.1f} ms"
@@ -386,8 +412,10 @@ def save_plot(path: Path, summary: dict[str, Any], title: str) -> bool:
         ("goodput", "goodput, req/s"),
         ("p99_ttft_ms", "TTFT p99, ms"),
         ("p99_tpot_ms", "TPOT p99, ms"),
+        ("p99_itl_ms", "ITL p99 (all gaps), ms"),
     ]
-    fig, axes = plt.subplots(len(summary), 3, figsize=(13, 3.6 * len(summary)), squeeze=False)
+    limits = {"p99_ttft_ms": "ttft", "p99_tpot_ms": "tpot", "p99_itl_ms": "itl_p99"}
+    fig, axes = plt.subplots(len(summary), 4, figsize=(17, 3.6 * len(summary)), squeeze=False)
     for row, (preset, result) in enumerate(summary.items()):
         for col, (key, label) in enumerate(panels):
             ax = axes[row][col]
@@ -395,7 +423,7 @@ def save_plot(path: Path, summary: dict[str, Any], title: str) -> bool:
                 xs = [float(r) for r in rows]
                 ax.plot(xs, [rows[r][key] for r in rows], marker="o", label=name)
             if key != "goodput":
-                limit = result["slos_ms"]["ttft" if "ttft" in key else "tpot"]
+                limit = result["slos_ms"][limits[key]]
                 ax.axhline(limit, color="grey", linestyle="--", linewidth=1, label="SLO")
                 ax.set_yscale("log")
             ax.set_xlabel("request rate, req/s")
@@ -432,7 +460,7 @@ def print_interference(hol: dict[str, interference.InterferenceResult]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     p.add_argument("--presets", nargs="+", default=list(DEFAULT_RATES), choices=list(DEFAULT_RATES))
     p.add_argument("--rates", help="comma-separated req/s for every preset (default: per preset)")
     p.add_argument(
@@ -446,6 +474,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-scale", type=float, default=0.1, help="x the presets' output lengths")
     p.add_argument("--slo-ttft-ms", type=float, help=f"default {TTFT_FACTOR:g}x unloaded TTFT")
     p.add_argument("--slo-tpot-ms", type=float, help=f"default {TPOT_FACTOR:g}x unloaded TPOT")
+    p.add_argument("--slo-itl-p99-ms", type=float, help=f"default {ITL_FACTOR:g}x unloaded ITL p99")
     p.add_argument("--quick", action="store_true", help="~5 min: 10 prompts, 2 rates, 3 baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
@@ -523,7 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dumps({**data, "presets": summary, "interference": hol_json}, indent=2) + "\n"
     )
     plot = args.out_dir / "goodput.png"
-    title = f"goodput on {machine['cores']} cores: disagg vs 2 colocated vs 1 colocated (2 threads)"
+    title = (
+        f"goodput on {machine['cores']} cores: disaggregated (always / per request) vs "
+        "2 colocated vs 1 colocated (2 threads)"
+    )
     saved = [path] + ([plot] if save_plot(plot, summary, title) else [])
     hol_plot = args.out_dir / "interference.png"
     hol_title = "inter-token gaps of running streams while 1024-token prompts arrive"

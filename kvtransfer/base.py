@@ -30,13 +30,14 @@ import abc
 import asyncio
 import enum
 import hmac
+import json
 import math
 import time
 import zlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -163,6 +164,30 @@ class BlockRowSource(BlockSource, Protocol):
 
 
 @dataclass
+class StreamedPull:
+    """The outcome of :meth:`KVTransferClient.pull_streamed`."""
+
+    blocks: torch.Tensor
+    num_blocks: int = 0
+    final: dict[str, Any] | None = None  # what the prefill ended with (its first token ...)
+    num_parts: int = 0
+    seconds: float = 0.0  # the whole pull
+    exposed_s: float = 0.0  # the last part less its wait: the pull after the prefill ended
+
+
+@runtime_checkable
+class StreamedSource(BlockSource, Protocol):
+    """A BlockSource whose blocks may still be computed when a pull comes (streamed KV)."""
+
+    def ready_count(
+        self, request_id: str, block_ids: list[int]
+    ) -> tuple[int, dict[str, Any] | None]:
+        """Leading ``block_ids`` computed so far, and the prefill's final answer when they are
+        the prompt's last blocks and it is known; KeyError when not pinned."""
+        ...
+
+
+@dataclass
 class TransferStats:
     """Plain per-endpoint counters (the same numbers also go to Prometheus)."""
 
@@ -260,7 +285,7 @@ class KVTransferServer(_Endpoint, abc.ABC):
             else:
                 blocks = self.source.read_blocks(request_id, block_ids)
         except KeyError as exc:
-            raise self._unknown(request_id) from exc
+            raise self.unknown(request_id) from exc
         if tuple(blocks.shape) != (len(block_ids), *self.layout.block_shape):
             self._record_failure("internal")
             raise TransferError("internal", f"source returned shape {tuple(blocks.shape)}")
@@ -282,7 +307,7 @@ class KVTransferServer(_Endpoint, abc.ABC):
                 if isinstance(self.source, BlockRowSource):
                     held.enter_context(self.source.reading(request_id, block_ids))
             except KeyError as exc:
-                raise self._unknown(request_id) from exc
+                raise self.unknown(request_id) from exc
             yield
 
     def lent_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor] | None:
@@ -294,7 +319,7 @@ class KVTransferServer(_Endpoint, abc.ABC):
         try:
             rows = self.source.block_rows(request_id, block_ids)
         except KeyError as exc:
-            raise self._unknown(request_id) from exc
+            raise self.unknown(request_id) from exc
         if any(row.device.type != "cpu" or not row.is_contiguous() for row in rows):
             return None
         return rows
@@ -308,7 +333,7 @@ class KVTransferServer(_Endpoint, abc.ABC):
                 f"{self.layout.bytes_per_block} ({self.layout})",
             )
 
-    def _unknown(self, request_id: str) -> TransferError:
+    def unknown(self, request_id: str) -> TransferError:
         self._record_failure("unknown_request")
         return TransferError("unknown_request", f"no pinned blocks for {request_id!r}")
 
@@ -366,11 +391,60 @@ class KVTransferClient(_Endpoint, abc.ABC):
         failure its contents are undefined: they are never returned as a result.
         """
         out = self._output(layout, len(block_ids), out)
+        await self._exchange(address, request_id, block_ids, out, timeout, streamed=False)
+        return out
+
+    async def pull_streamed(
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        layout: KVLayout,
+        timeout: float,
+    ) -> StreamedPull:
+        """The blocks of a streaming handle, pulled as the prefill computes them: one
+        ``OP_PULL_READY`` exchange after another (each within ``timeout``), each part verified
+        against the checksums its reply carries, until every block and the prefill's final
+        answer are in. TransferError as :meth:`pull` (ChecksumError included)."""
+        out = self._output(layout, len(block_ids), None)
+        result = StreamedPull(out)
+        start = time.perf_counter()
+        while result.num_blocks < len(block_ids) or result.final is None:
+            got = result.num_blocks
+            part_start = time.perf_counter()
+            num, message = await self._exchange(
+                address, request_id, block_ids[got:], out[got:], timeout, streamed=True
+            )
+            reply = json.loads(message or "{}")
+            try:
+                verify_checksums(out[got : got + num], reply.get("checksums", []))
+            except ChecksumError:
+                self._record_failure("checksum")
+                raise
+            result.num_blocks += num
+            result.final = reply.get("final")
+            # What the pull cost once the prefill was done: the last part, less its wait.
+            result.exposed_s = time.perf_counter() - part_start - reply.get("waited_s", 0.0)
+            result.num_parts += 1
+        result.seconds = time.perf_counter() - start
+        return result
+
+    async def _exchange(
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        out: torch.Tensor,
+        timeout: float,
+        streamed: bool,
+    ) -> tuple[int, str]:
+        """One pull (or one part of a streamed one), with the timeout, states, metrics and the
+        error mapping: (blocks received, the reply's message)."""
         self.states[request_id] = TransferState.PENDING
         start = time.perf_counter()
         try:
-            pulling = self._pull_into(address, request_id, block_ids, out, timeout)
-            await asyncio.wait_for(pulling, timeout)
+            pulling = self._pull_into(address, request_id, block_ids, out, timeout, streamed)
+            num, message = await asyncio.wait_for(pulling, timeout)
         except TransferError as exc:
             self._record_failure(exc.reason)
             raise
@@ -386,8 +460,9 @@ class KVTransferClient(_Endpoint, abc.ABC):
             raise TransferError("internal", f"{address}: {exc!r}") from exc
         finally:  # done, failed or cancelled: it is no longer in flight
             self.states.pop(request_id, None)
-        self._record_ok(out.numel() * out.element_size(), time.perf_counter() - start, "received")
-        return out
+        nbytes = num * bytes_per_row(out)
+        self._record_ok(nbytes, time.perf_counter() - start, "received")
+        return num, message
 
     async def pull_verified(
         self,
@@ -429,8 +504,11 @@ class KVTransferClient(_Endpoint, abc.ABC):
         block_ids: list[int],
         out: torch.Tensor,
         timeout: float,
-    ) -> None:
-        """Fill ``out`` with the blocks, or raise (TransferError or a connection error).
+        streamed: bool = False,
+    ) -> tuple[int, str]:
+        """Fill ``out`` with the blocks, or raise (TransferError or a connection error); return
+        how many blocks came and the reply's message. Plain: all of them. ``streamed``: an
+        ``OP_PULL_READY`` request, answered with the leading ones computed so far.
 
         :meth:`pull` cancels this coroutine after ``timeout``; blocking work that cannot be
         cancelled (a thread) must itself give up within ``timeout``.

@@ -52,10 +52,10 @@ class ConnectionPool(Generic[C]):
         key: Key,
         exchange: Callable[[C], Awaitable[tuple[int, str, int]]],
         timeout: float,
-    ) -> tuple[C, int]:
+    ) -> tuple[C, int, str]:
         """Run ``exchange`` (send a request, read the reply header: status, message, payload
-        length) on a connection to ``key``; returns the connection and the payload length of an
-        OK reply. A refusal raises TransferError; the connection is then closed."""
+        length) on a connection to ``key``; returns the connection, the payload length and the
+        message of an OK reply. A refusal raises TransferError; the connection is then closed."""
         for attempt in range(2):
             conn, reused = await self._acquire(key, timeout)
             try:
@@ -71,7 +71,7 @@ class ConnectionPool(Generic[C]):
             if status != framing.STATUS_OK:
                 self._close(conn)
                 raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
-            return conn, payload_len
+            return conn, payload_len, message
         raise AssertionError("unreachable")
 
     def release(self, key: Key, conn: C) -> None:

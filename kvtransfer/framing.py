@@ -39,12 +39,14 @@ VERSION = 1
 OP_PULL = 1
 OP_CONNECT = 2  # torch transport: set up the pair's process group
 OP_DONE = 3  # shm transport: the client has copied the blocks; the server may let them go
+OP_PULL_READY = 4  # a streamed pull: the leading blocks computed so far (see KVTransferServer)
+OPS = (OP_PULL, OP_CONNECT, OP_DONE, OP_PULL_READY)
 REQUEST_HEADER = struct.Struct("!4sBBHHIQ")
 REPLY_HEADER = struct.Struct("!4sBBHQ")
 MAX_TOKEN_LEN = 4096
 MAX_ID_LEN = 1024
 MAX_BLOCKS = 1 << 20
-MAX_MESSAGE_LEN = 8192
+MAX_MESSAGE_LEN = 65535  # the reply header's u16 (streamed replies carry checksums)
 SOCKET_BUFFER_BYTES = 4 << 20
 IDLE_SECONDS = 60.0  # a connection that sends no complete request for this long is closed
 MAX_CONNECTIONS = 256  # connections one server holds at once; more are closed at accept
@@ -132,7 +134,7 @@ def parse_request_header(header: bytes) -> RequestHeader:
     magic, version, op, token_len, id_len, num_blocks, bytes_per_block = REQUEST_HEADER.unpack(
         header
     )
-    if magic != MAGIC or version != VERSION or op not in (OP_PULL, OP_CONNECT, OP_DONE):
+    if magic != MAGIC or version != VERSION or op not in OPS:
         raise ProtocolError(f"bad header magic={magic!r} version={version} op={op}")
     if token_len > MAX_TOKEN_LEN or id_len > MAX_ID_LEN or num_blocks > MAX_BLOCKS:
         raise ProtocolError(f"oversized frame: token {token_len}, id {id_len}, {num_blocks} ids")

@@ -19,6 +19,7 @@ flipping a byte in the shared file would corrupt the prefill worker's own cache.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 import urllib.parse
@@ -31,6 +32,7 @@ from kvtransfer import framing
 from kvtransfer.base import BlockSource, KVLayout, TransferError, bytes_per_row
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
+from kvtransfer.streaming import ready_pull
 from kvtransfer.tcp import TcpKVClient, TcpKVServer, _format_host
 
 DONE_TIMEOUT_SECONDS = 30.0  # longest a server holds blocks for a client's copy
@@ -73,12 +75,13 @@ class ShmKVServer(TcpKVServer):
         request: framing.Request,  # type: ignore[no-untyped-def]
     ) -> bool:
         start = time.perf_counter()
-        args = (request.request_id, request.block_ids, request.bytes_per_block)
         with ExitStack() as held:
             try:
-                if request.op != framing.OP_PULL:
+                if request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
                     self._record_failure("protocol")
                     raise TransferError("protocol", f"op {request.op} is not served by shm")
+                request, message = await ready_pull(self, request)
+                args = (request.request_id, request.block_ids, request.bytes_per_block)
                 held.enter_context(self.holding(*args))  # renews the lease, checks the pins
                 if self.lent_rows(request.request_id, request.block_ids) is None:
                     raise TransferError("internal", "the shm transport needs a source of rows")
@@ -87,7 +90,7 @@ class ShmKVServer(TcpKVServer):
                 return exc.reason not in ("refused", "protocol")
             if self.draw_fault() == "drop":  # close without a reply: the client fails at once
                 return False
-            await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", 0))
+            await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, message, 0))
             await self.pause_mid_transfer()
             done = await framing.read_request(loop, conn, timeout=DONE_TIMEOUT_SECONDS)
             if done.op != framing.OP_DONE:
@@ -109,34 +112,43 @@ class ShmKVClient(TcpKVClient):
         self._mappings: OrderedDict[str, torch.Tensor] = OrderedDict()  # bounded, LRU
 
     async def _pull_into(
-        self, address: str, request_id: str, block_ids: list[int], out: torch.Tensor, timeout: float
-    ) -> None:
+        self,
+        address: str,
+        request_id: str,
+        block_ids: list[int],
+        out: torch.Tensor,
+        timeout: float,
+        streamed: bool = False,
+    ) -> tuple[int, str]:
         host, port, params = framing.parse_address(address, "shm")
         path = urllib.parse.unquote(params.get("path", ""))
+        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
         frame = framing.encode_request(
-            framing.Request(
-                framing.OP_PULL, self.token or "", request_id, block_ids, bytes_per_row(out)
-            )
+            framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
         )
-        sock, payload_len = await self._request((host, port), frame, timeout)
+        sock, payload_len, message = await self._request((host, port), frame, timeout)
         try:
             if payload_len != 0:
                 raise TransferError("protocol", f"shm server announced {payload_len} payload bytes")
+            num = int(json.loads(message)["blocks"]) if streamed else len(block_ids)
+            if not 0 <= num <= len(block_ids):
+                raise TransferError("protocol", f"shm server announced {num} blocks")
             self._mark_transferring(request_id)
             source = self._map(path, out)
-            ids = torch.tensor(block_ids, dtype=torch.long)
-            if max(block_ids, default=0) >= source.shape[0]:
+            ids = torch.tensor(block_ids[:num], dtype=torch.long)
+            if max(block_ids[:num], default=0) >= source.shape[0]:
                 raise TransferError("size_mismatch", f"block id beyond the end of {path}")
             if out.device.type == "cpu":
-                torch.index_select(source, 0, ids, out=out)
+                torch.index_select(source, 0, ids, out=out[:num])
             else:
-                out.copy_(source.index_select(0, ids))
+                out[:num].copy_(source.index_select(0, ids))
             done = framing.Request(framing.OP_DONE, "", request_id, [], 0)
             await asyncio.get_running_loop().sock_sendall(sock, framing.encode_request(done))
         except BaseException:
             sock.close()  # the server lets the blocks go when it sees the connection close
             raise
         self.connections.release((host, port), sock)
+        return num, message
 
     def _map(self, path: str, out: torch.Tensor) -> torch.Tensor:
         """The mapping of ``path`` (kept for the last few peers; one whose file is gone, a

@@ -6,6 +6,10 @@ decode worker releases them or when the lease runs out, whichever comes first::
     pin() ──▶ pinned ──renew_lease()──▶ pinned ──release()──▶ gone
                  └────────── lease expired (expire() or next access) ──▶ gone
 
+A streamed pin (``pin(..., progress=...)``) is made while the prompt is still being computed:
+``ready_count`` says how many of a pull's blocks are computed so far, and ``finish`` adds what
+the prefill ends with (the first token), which the pull completing the prompt carries.
+
 A transfer reads the blocks inside ``reading()``, which counts it as a reader: a release or an
 expiry that comes while a transfer reads only marks the pin as going (no new transfer may start
 on it) and the pin is dropped when its last reader leaves. So the blocks never return to the
@@ -23,6 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +40,12 @@ class _Pin:
     expires_at: float
     readers: int = 0  # transfers reading the blocks now
     going: bool = False  # released or expired while read: dropped when the last reader leaves
+    # Streamed: the blocks in prompt order, the prompt's tokens computed so far, its length,
+    # and what the prefill ended with (set by ``finish``).
+    order: list[int] | None = None
+    progress: Callable[[], int] | None = None
+    num_tokens: int = 0
+    final: dict[str, Any] | None = None
 
 
 class TensorBlockSource:
@@ -54,13 +65,57 @@ class TensorBlockSource:
         self._pins: dict[str, _Pin] = {}
         self._lock = threading.Lock()
 
-    def pin(self, request_id: str, block_ids: list[int], with_checksums: bool = True) -> list[int]:
-        """Pin ``block_ids`` for ``request_id``; returns their checksums (or [] if not asked)."""
+    def pin(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        with_checksums: bool = True,
+        progress: Callable[[], int] | None = None,
+        num_tokens: int = 0,
+    ) -> list[int]:
+        """Pin ``block_ids`` for ``request_id``; returns their checksums (or [] if not asked).
+
+        Streamed (``progress``: how many of the ``num_tokens`` prompt tokens are computed, read
+        from any thread): the blocks fill as the prefill runs; no checksums yet."""
+        pin = _Pin(frozenset(block_ids), self._clock() + self.lease_seconds)
+        if progress is not None:
+            pin.order, pin.progress, pin.num_tokens = list(block_ids), progress, num_tokens
         with self._lock:
-            self._pins[request_id] = _Pin(frozenset(block_ids), self._clock() + self.lease_seconds)
-        if not with_checksums:
+            self._pins[request_id] = pin
+        if not with_checksums or progress is not None:
             return []
         return block_checksums(self.kv_cache[torch.tensor(block_ids, dtype=torch.long)])
+
+    def finish(self, request_id: str, final: dict[str, Any]) -> None:
+        """A streamed prefill is done: ``final`` (its first token ...) goes with the last pull."""
+        with self._lock:
+            pin = self._pins.get(request_id)
+            if pin is not None:
+                pin.final = final
+
+    def ready_count(
+        self, request_id: str, block_ids: list[int]
+    ) -> tuple[int, dict[str, Any] | None]:
+        """How many leading ``block_ids`` are computed, and the prefill's final answer when
+        they are the last of the prompt's blocks and it is known (KeyError: not pinned). A pin
+        that is not streamed is ready at once, with no final answer."""
+        with self._lock:
+            pin = self._checked(request_id, block_ids)
+            if pin.order is None or pin.progress is None:
+                return len(block_ids), None
+            order, computed, final = pin.order, pin.progress(), pin.final
+            block_size = self.kv_cache.shape[-2]  # [.., 2, heads, block_size, head_dim]
+        position = {block: i for i, block in enumerate(order)}
+        ready = 0
+        for block in block_ids:
+            done = computed >= pin.num_tokens or (position[block] + 1) * block_size <= computed
+            if not done:
+                break
+            ready += 1
+        last = not block_ids or position[block_ids[-1]] == len(order) - 1
+        if ready == len(block_ids) and last:  # the prompt's last block goes with the final answer
+            return (ready, final) if final is not None else (max(0, ready - 1), None)
+        return ready, None
 
     def release(self, request_id: str) -> bool:
         """Unpin (once the transfers reading it are done); False if it was not pinned (already

@@ -45,6 +45,7 @@ from kvtransfer.base import (
 from kvtransfer.connection_pool import ConnectionPool
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
+from kvtransfer.streaming import ready_pull
 
 # Below this many bytes the gather runs on the event loop; above, in a worker thread.
 INLINE_GATHER_BYTES = 1 << 20
@@ -102,12 +103,13 @@ class TcpKVServer(KVTransferServer):
         """Answer one request; False when the connection must be closed. The blocks are held
         (a lease expiry or a release waits) until the last byte is handed to the socket."""
         start = time.perf_counter()
-        args = (request.request_id, request.block_ids, request.bytes_per_block)
         with ExitStack() as held:
             try:
-                if request.op != framing.OP_PULL:
+                if request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
                     self._record_failure("protocol")
                     raise TransferError("protocol", f"op {request.op} is not served by tcp")
+                request, message = await ready_pull(self, request)
+                args = (request.request_id, request.block_ids, request.bytes_per_block)
                 held.enter_context(self.holding(*args))
                 rows = self.lent_rows(*args[:2]) if self.zero_copy else None
                 chunks = self._chunks(request.block_ids)
@@ -124,7 +126,7 @@ class TcpKVServer(KVTransferServer):
                     first = self.faults.corrupted(first)
             num_bytes = len(request.block_ids) * self.layout.bytes_per_block
             try:
-                reply = framing.encode_reply(framing.STATUS_OK, "", num_bytes)
+                reply = framing.encode_reply(framing.STATUS_OK, message, num_bytes)
                 await loop.sock_sendall(conn, reply)
                 if fault == "drop":  # close with no payload: the client fails now
                     return False
@@ -203,32 +205,29 @@ class TcpKVClient(KVTransferClient):
         block_ids: list[int],
         out: torch.Tensor,
         timeout: float,
-    ) -> None:
+        streamed: bool = False,
+    ) -> tuple[int, str]:
         host, port, _ = framing.parse_address(address, "tcp")
+        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
         frame = framing.encode_request(
-            framing.Request(
-                framing.OP_PULL,
-                self.token or "",
-                request_id,
-                block_ids,
-                bytes_per_row(out),
-            )
+            framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
         )
-
-        sock, payload_len = await self._request((host, port), frame, timeout)
+        sock, payload_len, message = await self._request((host, port), frame, timeout)
         try:
-            expect_reply_size(payload_len, out)
+            num = expect_reply_size(payload_len, out, streamed)
             self._mark_transferring(request_id)
-            await self._receive(sock, out)
+            await self._receive(sock, out[:num])
         except BaseException:
             sock.close()
             raise
         self.connections.release((host, port), sock)
+        return num, message
 
     async def _request(
         self, key: tuple[str, int], frame: bytes, timeout: float
-    ) -> tuple[socket.socket, int]:
-        """Send ``frame`` on a pooled connection, read an OK reply: (connection, payload len)."""
+    ) -> tuple[socket.socket, int, str]:
+        """Send ``frame`` on a pooled connection, read an OK reply: (connection, payload
+        length, message)."""
 
         async def exchange(sock: socket.socket) -> tuple[int, str, int]:
             loop = asyncio.get_running_loop()
@@ -265,13 +264,16 @@ async def _connect(key: tuple[str, int], timeout: float) -> socket.socket:
     return sock
 
 
-def expect_reply_size(payload_len: int, out: torch.Tensor) -> None:
-    """Raise size_mismatch unless the server announced exactly ``out``'s byte count."""
-    expected = out.numel() * out.element_size()
-    if payload_len != expected:
-        raise TransferError(
-            "size_mismatch", f"server announced {payload_len} bytes, expected {expected}"
-        )
+def expect_reply_size(payload_len: int, out: torch.Tensor, streamed: bool = False) -> int:
+    """The number of blocks the server announced: exactly ``out``'s for a plain pull, whole
+    blocks up to that for a streamed part; size_mismatch otherwise."""
+    per_block, expected = bytes_per_row(out), out.numel() * out.element_size()
+    whole = per_block and payload_len % per_block == 0
+    if payload_len == expected or (streamed and whole and payload_len <= expected):
+        return payload_len // per_block if per_block else 0
+    raise TransferError(
+        "size_mismatch", f"server announced {payload_len} bytes, expected {expected}"
+    )
 
 
 def _format_host(host: str) -> str:

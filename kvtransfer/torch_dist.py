@@ -49,6 +49,7 @@ from kvtransfer.base import (
 )
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
+from kvtransfer.streaming import ready_pull
 from kvtransfer.tcp import expect_reply_size
 
 TAG = 0  # one message at a time per pair, so a single tag suffices
@@ -140,6 +141,9 @@ class TorchKVServer(KVTransferServer):
                 elif group is None:
                     self._record_failure("protocol")
                     raise TransferError("protocol", "PULL before CONNECT")
+                elif request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
+                    self._record_failure("protocol")
+                    raise TransferError("protocol", f"op {request.op} is not served by torch")
                 else:
                     await self._serve_pull(loop, conn, group, request)
             except framing.ProtocolError as exc:
@@ -181,6 +185,7 @@ class TorchKVServer(KVTransferServer):
         request: framing.Request,
     ) -> None:
         start = time.perf_counter()
+        request, message = await ready_pull(self, request)
         args = (request.request_id, request.block_ids, request.bytes_per_block)
         with self.holding(*args):  # a copy is sent, but expiry waits for it all the same
             await self.pause_mid_transfer()
@@ -192,7 +197,9 @@ class TorchKVServer(KVTransferServer):
             assert self.faults is not None
             blocks = self.faults.corrupted(blocks)
         num_bytes = blocks.numel() * blocks.element_size()
-        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
+        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, message, num_bytes))
+        if not num_bytes:  # a streamed part with nothing ready yet
+            return
         try:
             await asyncio.to_thread(_send, group, blocks, self.group_timeout)
         except RuntimeError as exc:
@@ -237,11 +244,12 @@ class TorchKVClient(KVTransferClient):
         block_ids: list[int],
         out: torch.Tensor,
         timeout: float,
-    ) -> None:
+        streamed: bool = False,
+    ) -> tuple[int, str]:
         pair = await self._pair(address, timeout)
         async with pair.lock:
             try:
-                await self._pull_on(pair, request_id, block_ids, out, timeout)
+                return await self._pull_on(pair, request_id, block_ids, out, timeout, streamed)
             except TransferError as exc:
                 if exc.reason not in ("unknown_request", "size_mismatch"):
                     self._drop(address, pair)
@@ -257,20 +265,23 @@ class TorchKVClient(KVTransferClient):
         block_ids: list[int],
         out: torch.Tensor,
         timeout: float,
-    ) -> None:
+        streamed: bool,
+    ) -> tuple[int, str]:
         loop = asyncio.get_running_loop()
-        token = self.token or ""
-        request = framing.Request(framing.OP_PULL, token, request_id, block_ids, bytes_per_row(out))
+        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
+        request = framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
         await loop.sock_sendall(pair.sock, framing.encode_request(request))
         status, message, payload_len = await framing.read_reply(loop, pair.sock)
         if status != framing.STATUS_OK:
             raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
-        expect_reply_size(payload_len, out)
+        num = expect_reply_size(payload_len, out, streamed)
         self._mark_transferring(request_id)
-        try:
-            await asyncio.to_thread(_recv, pair.group, out, timeout)
-        except RuntimeError as exc:
-            raise ConnectionResetError(f"recv failed: {exc}") from exc
+        if num:
+            try:
+                await asyncio.to_thread(_recv, pair.group, out[:num], timeout)
+            except RuntimeError as exc:
+                raise ConnectionResetError(f"recv failed: {exc}") from exc
+        return num, message
 
     async def _pair(self, address: str, timeout: float) -> _Pair:
         lock = self._connecting.setdefault(address, asyncio.Lock())

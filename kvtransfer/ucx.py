@@ -51,6 +51,7 @@ from kvtransfer.base import (
 from kvtransfer.connection_pool import ConnectionPool
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
+from kvtransfer.streaming import ready_pull
 from kvtransfer.tcp import expect_reply_size
 
 logger = logging.getLogger(__name__)
@@ -174,8 +175,9 @@ class UcxKVServer(KVTransferServer):
         start = time.perf_counter()
         try:
             request = await asyncio.wait_for(self._read_request(ep), framing.IDLE_SECONDS)
-            if request.op != framing.OP_PULL:
+            if request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
                 raise TransferError("protocol", f"op {request.op} is not served by ucx")
+            request, message = await ready_pull(self, request)
             args = (request.request_id, request.block_ids, request.bytes_per_block)
             with self.holding(*args):  # a copy is sent, but expiry waits for it all the same
                 await self.pause_mid_transfer()
@@ -192,10 +194,11 @@ class UcxKVServer(KVTransferServer):
             assert self.faults is not None
             blocks = self.faults.corrupted(blocks)
         num_bytes = blocks.numel() * blocks.element_size()
-        await _send_frame(ep, framing.encode_reply(framing.STATUS_OK, "", num_bytes))
+        await _send_frame(ep, framing.encode_reply(framing.STATUS_OK, message, num_bytes))
         if fault == "drop":  # the endpoint is closed with no payload: the client fails at once
             return False
-        await ep.send(_payload(blocks))
+        if num_bytes:  # a streamed part may have nothing ready yet
+            await ep.send(_payload(blocks))
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True
 
@@ -239,12 +242,12 @@ class UcxKVClient(KVTransferClient):
         block_ids: list[int],
         out: torch.Tensor,
         timeout: float,
-    ) -> None:
+        streamed: bool = False,
+    ) -> tuple[int, str]:
         host, port, _ = framing.parse_address(address, "ucx")
+        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
         frame = framing.encode_request(
-            framing.Request(
-                framing.OP_PULL, self.token or "", request_id, block_ids, bytes_per_row(out)
-            )
+            framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
         )
 
         head = framing.request_head_len(frame)
@@ -269,11 +272,12 @@ class UcxKVClient(KVTransferClient):
             except _UCXError as exc:
                 raise ConnectionResetError(f"UCX request failed: {exc}") from exc
 
-        ep, payload_len = await self.connections.request((host, port), exchange, timeout)
+        ep, payload_len, message = await self.connections.request((host, port), exchange, timeout)
         try:
-            expect_reply_size(payload_len, out)
+            num = expect_reply_size(payload_len, out, streamed)
             self._mark_transferring(request_id)
-            await ep.recv(_payload(out))
+            if num:
+                await ep.recv(_payload(out[:num]))
         except _UCXError as exc:
             _abort(ep)
             raise ConnectionResetError(f"UCX receive failed: {exc}") from exc
@@ -281,6 +285,7 @@ class UcxKVClient(KVTransferClient):
             _abort(ep)
             raise
         self.connections.release((host, port), ep)
+        return num, message
 
     async def _connect(self, key: tuple[str, int], timeout: float) -> Any:
         try:

@@ -90,7 +90,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--sharegpt-output-len", type=int, help="override the dataset's output lens")
     g.add_argument("--tokenizer", help="tokenizer.json (or hub name) for exact token counts")
     g = p.add_argument_group("results")
-    g.add_argument("--goodput", nargs="+", help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000")
+    g.add_argument(
+        "--goodput", nargs="+", help="SLOs in ms, e.g. ttft:500 tpot:50 e2el:5000 itl_p99:200"
+    )
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     g.add_argument("--metric-percentiles", default="99")
     g.add_argument("--save-result", action="store_true", help="JSON + per-request CSV + plots")

@@ -5,7 +5,8 @@
 * ITL: every gap between consecutive text-carrying messages, pooled over all requests.
 * E2EL: request sent -> last byte of the response.
 * Throughputs divide by the run's duration (first send to last completion).
-* Goodput: requests per second that completed *and* met every ``--goodput`` limit.
+* Goodput: requests per second that completed *and* met every ``--goodput`` limit (``ttft``,
+  ``tpot``, ``e2el``, and ``itl_p99``: the request's own 99th-percentile gap, a stall bound).
 * SLO attainment: those good requests over *all* requests sent, failed ones included, so a
   server that sheds load cannot look better than one that serves it slowly.
 """
@@ -20,7 +21,7 @@ import numpy as np
 from loadtest.client import RequestResult, RunOutput
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "tpot", "e2el", "itl_p99")
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -50,6 +51,9 @@ def meets(result: RequestResult, slos: dict[str, float]) -> bool:
         return False
     tpot = result.tpot
     if "tpot" in slos and tpot is not None and tpot * 1000 > slos["tpot"]:
+        return False
+    stalls = slos.get("itl_p99")
+    if stalls is not None and result.itls and np.percentile(result.itls, 99) * 1000 > stalls:
         return False
     return not ("e2el" in slos and result.e2el * 1000 > slos["e2el"])
 

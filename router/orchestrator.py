@@ -1,9 +1,14 @@
-"""The router's side of a request's life: pick P and D, Prefill, relay the stream (section 1 of
-the architecture page).
+"""The router's side of a request's life: pick D, decide where the prompt is computed, relay
+the stream (section 1 of the architecture page).
 
-    choose P (policy) -> Prefill on P -> first token to the client at once
-      -> choose D among workers whose fingerprint equals P's -> Generate(prompt, first token,
-         KVHandle) on D -> relay D's chunks -> done
+    choose D (policy) -> the disaggregation policy decides:
+      local:  Generate(prompt) on D, which computes the prompt itself
+      remote, streamed (the default): PrefillStream on P (fingerprint equal to D's) -> its
+              streaming KVHandle as soon as the prompt's blocks are reserved -> Generate(prompt,
+              KVHandle) on D at once (D pulls while P computes) -> P's first token to the client
+              -> D's chunks after it
+      remote, whole (--no-stream-kv): Prefill on P -> first token to the client -> Generate(
+              prompt, first token, KVHandle) on D -> D's chunks
 
 A worker that fails before it has produced anything for this request (refused: full or
 draining; unreachable; crashed) is replaced by another worker of its pool, up to
@@ -46,6 +51,7 @@ from router.disaggregation import Decision, RequestFacts, make_disaggregation_po
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.policies import PolicyContext, PrefixIndex, RouteRequest, RoutingPolicy, make_policy
+from router.relay import Relay
 from services.registry import ROLES, RegistryView, Role, WorkerRecord
 
 log = logging.getLogger(__name__)
@@ -89,6 +95,23 @@ class SubRequest:
 
 class MidStreamError(APIError):
     """A worker failed after the client already got part of the answer."""
+
+
+@dataclass
+class _Decoding:
+    """A decode call running on a streaming handle: its request (the first token goes in once
+    known, for the attempts after it) and its chunks."""
+
+    request: pb.GenerateRequest
+    relay: Relay[Chunk]
+    first_token_known: asyncio.Event
+
+    def know(self, answer: pb.PrefillResponse) -> None:
+        """The prefill's answer came: attempts from now on carry its first token (a decode
+        worker can then recompute the prompt if its pull fails)."""
+        self.request.first_token = answer.first_token
+        self.request.first_logprobs.CopyFrom(answer.logprobs)
+        self.first_token_known.set()
 
 
 class Orchestrator:
@@ -169,10 +192,12 @@ class Orchestrator:
         route = RouteRequest(sub.prompt_token_ids)
         if self.prefill_candidates():
             decode = await self._choose("decode", self.decode_candidates(), route)
-            if (await self._decide(sub, route, decode)).remote:
-                stream = self._disaggregated(sub, route, decode)
-            else:
+            if not (await self._decide(sub, route, decode)).remote:
                 stream = self._local(sub, route, decode)
+            elif self.config.stream_kv:
+                stream = self._streamed(sub, route, decode)
+            else:
+                stream = self._disaggregated(sub, route, decode)
         elif self.routable("colocated"):
             stream = self._colocated(sub, route)
         else:
@@ -185,9 +210,7 @@ class Orchestrator:
                 yield chunk
         self._record(sub)
 
-    async def _decide(
-        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
-    ) -> Decision:
+    async def _decide(self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord) -> Decision:
         """Where ``sub``'s prompt is computed, by the disaggregation policy (counted, traced)."""
         hashes = route.block_hashes(decode.fingerprint.block_size)
         cached = (await self.prefixes.cached_blocks([decode], hashes))[decode.worker_id]
@@ -223,21 +246,10 @@ class Orchestrator:
         self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
     ) -> AsyncGenerator[Chunk, None]:
         prefill, answer = await self._prefill(sub, route, decode)
-        sub.num_cached_tokens = answer.num_cached_tokens
-        sub.timings["prefill_queue"] = answer.timings.queue_s
-        sub.timings["prefill_compute"] = answer.timings.compute_s
-        yield Chunk(
-            index=0,
-            text=answer.first_text,
-            token_ids=[answer.first_token],
-            logprobs=[_entries(answer.logprobs)] if sub.params.logprobs is not None else [],
-            finish_reason=answer.finish_reason or None,
-        )
+        yield self._first_chunk(sub, answer)
         if answer.finish_reason:  # the first token ended sequence 0; nothing is pinned
-            sub.kv_source = "pulled"
-            if sub.params.n > 1:
-                async for chunk in self._other_sequences(sub, route, prefill):
-                    yield chunk
+            async for chunk in self._after_first_token_ended(sub, route, prefill):
+                yield chunk
             return
         request = pb.GenerateRequest(
             prompt_token_ids=sub.prompt_token_ids,
@@ -264,6 +276,144 @@ class Orchestrator:
             if not handed_over:  # no decode worker took it: nobody will pull or release
                 # The address the router called, not one the answer names.
                 self._spawn(self.prefill_client.release(answer.kv, prefill.grpc_address))
+
+    async def _streamed(
+        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
+    ) -> AsyncGenerator[Chunk, None]:
+        """Disaggregated with the KV streamed: the decode worker is called as soon as the
+        prefill worker has reserved the prompt's blocks and pulls them as they are computed;
+        its chunks follow the first token the prefill worker answers with. A prefill worker
+        that fails first is replaced (its decode call cancelled), as in ``_prefill``."""
+        failed: set[str] = set()
+        last = "no prefill worker is alive"
+        for attempt in range(self.config.max_attempts):
+            candidates = [p for p in self.prefill_candidates(decode) if p.worker_id not in failed]
+            if not candidates:
+                break
+            prefill = await self._choose("prefill", candidates, route)
+            try:
+                answer, kv, decoding = await self._prefill_streamed(
+                    sub, route, prefill, decode, attempt
+                )
+            except grpc.aio.AioRpcError as exc:
+                last = self._failed("prefill", prefill, exc)
+                failed.add(prefill.worker_id)
+                continue
+            try:
+                yield self._first_chunk(sub, answer)
+                if answer.finish_reason:  # the decode worker has nothing to do for sequence 0
+                    await decoding.relay.close()
+                    async for chunk in self._after_first_token_ended(sub, route, prefill):
+                        yield chunk
+                    return
+                decoding.know(answer)
+                async for chunk in decoding.relay.items():
+                    yield chunk
+            finally:
+                await decoding.relay.close()
+                if not decoding.relay.started:  # no decode worker took it: release it here
+                    self._spawn(self.prefill_client.release(kv, prefill.grpc_address))
+            return
+        raise APIError(503, f"prefill failed: {last}", retry_after=self.config.retry_after_seconds)
+
+    async def _prefill_streamed(
+        self,
+        sub: SubRequest,
+        route: RouteRequest,
+        prefill: WorkerRecord,
+        decode: WorkerRecord,
+        attempt: int,
+    ) -> tuple[pb.PrefillResponse, pb.KVHandle, _Decoding]:
+        """One PrefillStream call: the decode call starts on its streaming handle; returns the
+        answer, the handle and the running decode call (closed if this raises)."""
+        request = pb.PrefillRequest(
+            request_id=_attempt_id(sub.request_id, "p", attempt),
+            token_ids=sub.prompt_token_ids,
+            sampling=params_to_proto(sub.params),
+        )
+        span = _attempt_span("prefill", prefill, attempt, request.request_id)
+        decoding: _Decoding | None = None
+        kv: pb.KVHandle | None = None
+        with tracing.ending(span):
+            try:
+                with self._tracked(prefill) as channel, self._queued(prefill, sub):
+                    call = pb_grpc.PrefillServiceStub(channel).PrefillStream(
+                        request,
+                        timeout=self.config.prefill_timeout_seconds,
+                        metadata=self._metadata + tracing.grpc_metadata(span),
+                    )
+                    try:
+                        async for event in call:
+                            if event.HasField("kv") and decoding is None:
+                                kv = event.kv
+                                decoding = self._start_decoding(
+                                    sub, route, prefill, decode, kv, request.request_id
+                                )
+                            elif event.HasField("done") and decoding is not None:
+                                assert kv is not None
+                                sub.worker_ids.append(prefill.worker_id)
+                                span.set_attribute(
+                                    "pdserve.cached_tokens", event.done.num_cached_tokens
+                                )
+                                return event.done, kv, decoding
+                    finally:
+                        call.cancel()  # a no-op once finished
+                raise APIError(502, f"{prefill.worker_id} ended PrefillStream without an answer")
+            except BaseException as exc:
+                if decoding is not None:
+                    await decoding.relay.close()
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    tracing.set_error(span, f"{exc.code().name}: {exc.details()}")
+                raise
+
+    def _start_decoding(
+        self,
+        sub: SubRequest,
+        route: RouteRequest,
+        prefill: WorkerRecord,
+        decode: WorkerRecord,
+        kv: pb.KVHandle,
+        prefill_request_id: str,
+    ) -> _Decoding:
+        """The decode call on a streaming handle, read in the background from now on."""
+        request = pb.GenerateRequest(
+            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(sub.params), kv=kv
+        )
+        first_token_known = asyncio.Event()
+        stream = self._stream_with_retries(
+            "decode",
+            sub,
+            route,
+            request,
+            lambda: self.decode_candidates(prefill),
+            first_choice=decode,
+            id_base=prefill_request_id,  # unique per prefill attempt: an aborted one may linger
+            first_token_known=first_token_known,
+        )
+        return _Decoding(request, Relay(stream), first_token_known)
+
+    def _first_chunk(self, sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
+        """The prefill worker's first token, as the request's first chunk."""
+        sub.num_cached_tokens = answer.num_cached_tokens
+        sub.timings["prefill_queue"] = answer.timings.queue_s
+        sub.timings["prefill_compute"] = answer.timings.compute_s
+        return Chunk(
+            index=0,
+            text=answer.first_text,
+            token_ids=[answer.first_token],
+            logprobs=[_entries(answer.logprobs)] if sub.params.logprobs is not None else [],
+            finish_reason=answer.finish_reason or None,
+        )
+
+    async def _after_first_token_ended(
+        self, sub: SubRequest, route: RouteRequest, prefill: WorkerRecord
+    ) -> AsyncGenerator[Chunk, None]:
+        """Sequence 0 ended at its first token: the prompt's KV went nowhere; the other
+        sequences (n > 1) come from a decode worker that computes the prompt itself."""
+        sub.kv_source = "pulled"
+        if sub.params.n > 1:
+            async for chunk in self._other_sequences(sub, route, prefill):
+                yield chunk
 
     async def _other_sequences(
         self, sub: SubRequest, route: RouteRequest, prefill: WorkerRecord
@@ -335,13 +485,19 @@ class Orchestrator:
         request: pb.GenerateRequest,
         candidates_fn,  # type: ignore[no-untyped-def]
         first_choice: WorkerRecord | None = None,
+        id_base: str = "",
+        first_token_known: asyncio.Event | None = None,
     ) -> AsyncGenerator[Chunk, None]:
         """Generate on a worker of ``pool`` (``first_choice`` first, when it is still a
-        candidate), moving to another one until the first chunk."""
+        candidate), moving to another one until the first chunk. Attempts are numbered after
+        ``id_base`` (the request's id by default). A worker that answers ABORTED (its streamed
+        pull failed before the first token came) is asked again once ``first_token_known``."""
         failed: set[str] = set()
         last = f"no {pool} worker is alive"
         deadline = time.monotonic() + self.config.request_timeout_seconds
         for attempt in range(self.config.max_attempts):
+            if attempt and first_token_known is not None:
+                await first_token_known.wait()  # the request carries it from then on
             candidates = [w for w in candidates_fn() if w.worker_id not in failed]
             if not candidates:
                 break
@@ -349,7 +505,7 @@ class Orchestrator:
                 worker, first_choice = first_choice, None
             else:
                 worker = await self._choose(pool, candidates, route)
-            request.request_id = _attempt_id(sub.request_id, pool[0], attempt)
+            request.request_id = _attempt_id(id_base or sub.request_id, pool[0], attempt)
             span = _attempt_span(pool, worker, attempt, request.request_id)
             started, num_tokens = False, 0
             call = None
@@ -378,7 +534,11 @@ class Orchestrator:
                             502, f"{pool} worker failed mid-stream: {reason}"
                         ) from exc
                     last = reason
-                    failed.add(worker.worker_id)
+                    if exc.code() != grpc.StatusCode.ABORTED:  # else the worker is fine
+                        failed.add(worker.worker_id)
+                        first_choice = None
+                    else:
+                        first_choice = worker
                 finally:
                     if call is not None:
                         call.cancel()  # a no-op once finished; on client disconnect: abort there

@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
-from typing import ParamSpec
+from typing import Any
 
 import grpc
 import torch
@@ -49,7 +49,9 @@ from services.worker.handles import HandleChecker
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
-P = ParamSpec("P")
+# A streamed pull that failed before the first token came: this worker could serve the request
+# if asked again with the first token (it can then recompute the prompt).
+_RETRY_WITH_FIRST_TOKEN = "the prefill's first token never came: ask again with it"
 
 
 @dataclass
@@ -62,6 +64,7 @@ class _Timeline:
     kv_source: str = "local"  # pulled | recomputed | local
     transfer_s: float = 0.0  # the KV pull, all of it
     transfer_exposed_s: float = 0.0  # the part of it after the prefill worker was done
+    first_token_known: bool = True  # False: streamed KV, the first token comes with it
 
     def timings(self) -> pb.PhaseTimings:
         """Queue (KV in place, or arrival, -> first step), first step, and the pull."""
@@ -81,6 +84,19 @@ class _Timeline:
         return tracing.TRACER.start_span(
             name, context=trace.set_span_in_context(self.span), kind=kind
         )
+
+
+@dataclass
+class _Pulled:
+    """What a pull brought: the blocks (this worker's layout), the bytes that came over the
+    transport, and for a streamed one what the prefill worker ended with and the part of the
+    pull after it had ended."""
+
+    blocks: torch.Tensor
+    num_bytes: int = 0
+    streamed: bool = False
+    final: dict[str, Any] | None = None
+    exposed_s: float = 0.0
 
 
 class DecodeService(pb_grpc.DecodeServiceServicer):
@@ -188,11 +204,14 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         rejection = await self.handles.rejection(request.kv)
         if rejection is not None:
             raise ValueError(f"KV handle refused: {rejection}")
+        # A streaming handle may come before the first token: it then comes with the last pull.
+        first = request.first_token if request.HasField("first_token") else None
+        timeline.first_token_known = first is not None
         try:
             finished, timeline.seqs, stream = await self.engine.add_prefilled(
                 request.request_id,
                 list(request.prompt_token_ids),
-                request.first_token,
+                first,
                 params,
                 logprobs_from_proto(request.first_logprobs),
             )
@@ -226,6 +245,9 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                             }
                         )
                 if plan is None:  # the prefill worker's blocks are gone
+                    if not timeline.first_token_known:  # nothing to recompute from
+                        self.metrics.pulls.labels(outcome="failed").inc()
+                        await context.abort(grpc.StatusCode.ABORTED, _RETRY_WITH_FIRST_TOKEN)
                     timeline.ready = await self.engine.recompute_pull(rid)
                     self.metrics.pulls.labels(outcome="recomputed").inc()
                     return "recomputed"
@@ -260,22 +282,27 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                     "pdserve.kv.transport": handle.transport,
                     "pdserve.kv.blocks": len(plan.block_indices),
                     "pdserve.kv.source_worker_id": handle.prefill_worker_id,
+                    "pdserve.kv.streamed": handle.streaming,
                     "pdserve.kv.outcome": "failed",
                 }
             )
             start = time.perf_counter()
             try:
-                blocks, num_bytes = await self._fetch(plan, handle)
+                pulled = await self._fetch(plan, handle)
                 error: Exception | None = None
             except (TransferError, ValueError) as exc:
-                blocks, num_bytes, error = None, 0, exc
-            outcome = "pulled" if error is None else "recomputed"
-            if error is not None and self.config.on_pull_failure == "fail":
-                outcome = "failed"
-            timeline.transfer_s = timeline.transfer_exposed_s = time.perf_counter() - start
+                pulled, error = None, exc
+            # Without the first token (streamed, the prefill worker never answered) there is
+            # nothing to recompute from: the router tries again elsewhere.
+            recomputable = timeline.first_token_known and self.config.on_pull_failure != "fail"
+            outcome = "pulled" if error is None else ("recomputed" if recomputable else "failed")
+            timeline.transfer_s = time.perf_counter() - start
+            timeline.transfer_exposed_s = timeline.transfer_s
+            if pulled is not None and pulled.streamed:
+                timeline.transfer_exposed_s = pulled.exposed_s
             span.set_attributes(
                 {
-                    "pdserve.kv.bytes": num_bytes,
+                    "pdserve.kv.bytes": pulled.num_bytes if pulled else 0,
                     "pdserve.kv.duration_s": timeline.transfer_s,
                     "pdserve.kv.outcome": outcome,
                 }
@@ -285,44 +312,58 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         if error is not None:
             if outcome == "failed":
                 self.metrics.pulls.labels(outcome="failed").inc()
+                if not timeline.first_token_known:
+                    detail = f"KV pull failed ({error}); {_RETRY_WITH_FIRST_TOKEN}"
+                    await context.abort(grpc.StatusCode.ABORTED, detail)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull failed: {error}")
             log.warning("KV pull of %s failed (%s); recomputing the prompt", plan.request_id, error)
             timeline.ready = await self.engine.recompute_pull(plan.request_id)
             self.metrics.pulls.labels(outcome="recomputed").inc()
             return "recomputed"
-        assert blocks is not None
-        timeline.ready = await self.engine.commit_pull(plan, blocks)
+        assert pulled is not None
+        final = pulled.final or {}
+        first_token = final.get("first_token") if not timeline.first_token_known else None
+        logprobs = {int(t): v for t, v in (final.get("logprobs") or {}).items()} or None
+        timeline.ready = await self.engine.commit_pull(plan, pulled.blocks, first_token, logprobs)
         self.metrics.pulls.labels(outcome="pulled").inc()
         return "pulled"
 
-    async def _fetch(self, plan: PullPlan, handle: pb.KVHandle) -> tuple[torch.Tensor, int]:
-        """The planned blocks in this worker's layout, pulled and verified, and how many bytes
-        came over the transport."""
+    async def _fetch(self, plan: PullPlan, handle: pb.KVHandle) -> _Pulled:
+        """The planned blocks in this worker's layout, pulled and verified (a streaming handle:
+        as the prefill worker computes them, with its first token at the end)."""
         if self.client is None:
             raise TransferError("unsupported", "this worker has no KV transport client")
-        if not plan.block_indices:
-            return self.layout.empty_blocks(0), 0
         source_layout = layout_from_proto(handle.layout)
         same = source_layout == self.layout
         # Same layout: just the blocks we lack. Different block size/dtype: all, then adapt.
         indices = plan.block_indices if same else list(range(len(handle.block_ids)))
         block_ids = [handle.block_ids[i] for i in indices]
         timeout = self.config.pull_timeout_seconds
-        if self.config.verify_checksums:
+        address, request_id = handle.address, handle.request_id
+        pulled = _Pulled(self.layout.empty_blocks(0))
+        if handle.streaming:  # waits for the blocks (and the first token) as they come
+            result = await self.client.pull_streamed(
+                address, request_id, block_ids, source_layout, timeout
+            )
+            blocks, pulled.final, pulled.exposed_s = result.blocks, result.final, result.exposed_s
+            pulled.streamed = True
+        elif not block_ids:
+            return pulled
+        elif self.config.verify_checksums:
             if len(handle.checksums) != len(handle.block_ids):
                 raise TransferError("checksum", "the KVHandle carries no checksums")
             expected = [handle.checksums[i] for i in indices]
             blocks = await self.client.pull_verified(
-                handle.address, handle.request_id, block_ids, source_layout, timeout, expected
+                address, request_id, block_ids, source_layout, timeout, expected
             )
         else:
-            blocks = await self.client.pull(
-                handle.address, handle.request_id, block_ids, source_layout, timeout
-            )
-        if same:
-            return blocks, blocks.nbytes
-        adapted = adapt_layout(blocks, source_layout, self.layout, handle.num_tokens)
-        return adapted[plan.block_indices], blocks.nbytes
+            blocks = await self.client.pull(address, request_id, block_ids, source_layout, timeout)
+        pulled.num_bytes = blocks.nbytes
+        pulled.blocks = blocks
+        if not same:
+            adapted = adapt_layout(blocks, source_layout, self.layout, handle.num_tokens)
+            pulled.blocks = adapted[plan.block_indices]
+        return pulled
 
     async def prune_channels(self, interval: float = 30.0) -> None:
         """Close channels to prefill workers that left (runs for the worker's lifetime)."""

@@ -79,6 +79,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._seq_ids = itertools.count()
         self._pull_plans: list[PullPlan] = []
+        self._prefill_admissions: list[tuple[str, list[int]]] = []
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
@@ -111,7 +112,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        first_token: int,
+        first_token: int | None,
         params: SamplingParams,
         first_logprobs: dict[int, float] | None = None,
     ) -> RequestOutput | None:
@@ -121,17 +122,17 @@ class LLMEngine:
 
         The first token, sampled by the prefill worker, counts as already streamed. With n > 1
         the last prompt token is computed here, so the other sequences can draw their own first
-        token from its logits, while sequence 0 keeps the one it was given.
+        token from its logits, while sequence 0 keeps the one it was given. ``first_token`` None
+        (the KV is streamed, the prefill still runs): it comes with ``commit_pull``.
         """
-        vocab = self.model.config.vocab_size
-        if not 0 <= first_token < vocab:  # it comes off the wire: the step loop must not see it
-            raise ValueError(f"first_token must be an integer in [0, {vocab}), got {first_token}")
+        if first_token is not None:
+            self._check_token(first_token)
         request = self._new_request(request_id, prompt_token_ids, params)
         seq = self._new_sequence(request, index=0)
         if params.n > 1:
             seq.forced_token, seq.forced_logprobs = first_token, first_logprobs
             seq.num_forks_pending = params.n - 1
-        else:
+        elif first_token is not None:
             self._append_forced(request, seq, first_token, first_logprobs)
         if seq.is_finished:  # the first token alone ended it; nothing to pull
             return self.outputs.output(request)
@@ -168,6 +169,7 @@ class LLMEngine:
         """Run one iteration; return a delta for every request that advanced."""
         batch = self.scheduler.schedule()
         self._pull_plans += self.handoff.plans(batch)
+        self._prefill_admissions += [(s.request_id, list(s.block_table)) for s in batch.prefills]
         if batch.is_empty:
             return []
         logits, seqs = self.runner.execute(batch)
@@ -192,7 +194,7 @@ class LLMEngine:
             else:
                 seq.append_token(token, logprobs)
                 self._check_stop(request, seq)
-            if seq.pin_blocks and not seq.is_finished:
+            if seq.pin_blocks:  # kept after its first token, whatever it was
                 pinned[seq.request_id] = self.handoff.pin(seq)
                 self.sampler.forget(seq)
             touched[seq.request_id] = request
@@ -219,8 +221,12 @@ class LLMEngine:
 
     def _check_stop(self, request: RequestState, seq: Sequence) -> None:
         stopped = self.outputs.process_token(request, seq)
-        if stopped is not None:
-            reason, seq.stop_reason = stopped
+        if stopped is None:
+            return
+        reason, seq.stop_reason = stopped
+        if seq.pin_blocks:  # done, but its blocks stay pinned (maybe read): the owner frees them
+            seq.finish_reason = reason
+        else:
             self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -245,17 +251,57 @@ class LLMEngine:
 
     # ----- disaggregation ---------------------------------------------------------------------
     def release_pinned(self, request_id: str) -> bool:
-        """Prefill side: free a pinned request's blocks; False if it holds none (any more)."""
-        return self.handoff.release(request_id)
+        """Prefill side: the request's lease is over: free its blocks (pinned) or abort it (a
+        streamed prefill still computing); False if it holds none (any more)."""
+        if self.handoff.release(request_id):
+            return True
+        request = self._requests.get(request_id)
+        if request is None or not request.seqs[0].pin_blocks:
+            return False
+        self.abort_request(request_id)
+        return True
+
+    def take_prefill_admissions(self) -> list[tuple[str, list[int]]]:
+        """Prefill side: (request id, the prompt's blocks) of the prefill-only requests
+        admitted since the last call; their blocks are fixed from then on (streamed KV)."""
+        admitted, self._prefill_admissions = self._prefill_admissions, []
+        return admitted
 
     def take_pull_plans(self) -> list[PullPlan]:
         """Decode side: the requests admitted for a pull since the last call, with their plans."""
         plans, self._pull_plans = self._pull_plans, []
         return plans
 
-    def commit_pull(self, plan: PullPlan, blocks: torch.Tensor) -> None:
-        """Decode side: the pulled (and verified) blocks; the request joins the batch."""
+    def commit_pull(
+        self,
+        plan: PullPlan,
+        blocks: torch.Tensor,
+        first_token: int | None = None,
+        first_logprobs: dict[int, float] | None = None,
+    ) -> RequestOutput | None:
+        """Decode side: the pulled (and verified) blocks, and the first token when it came with
+        them (streamed KV); the request joins the batch. Returns the final output at once when
+        that first token alone ends the request (nothing runs here then)."""
+        request = self._requests[plan.request_id]
+        if first_token is not None:
+            self._check_token(first_token)
+            seq = request.seqs[0]
+            if request.params.n > 1:  # the last prompt token is computed here, for the forks
+                seq.forced_token, seq.forced_logprobs = first_token, first_logprobs
+            else:  # as if the router had sent it: computing goes on from the first token
+                self._append_forced(request, seq, first_token, first_logprobs)
+                if seq.is_finished:  # the scheduler freed its reservation
+                    self.handoff.forget(plan.request_id)
+                    del self._requests[plan.request_id]
+                    return self.outputs.output(request)
         self.handoff.commit(plan, blocks)
+        return None
+
+    def _check_token(self, token: int) -> None:
+        """A token from the wire: the step loop must never see one outside the vocabulary."""
+        vocab = self.model.config.vocab_size
+        if not 0 <= token < vocab:
+            raise ValueError(f"first_token must be an integer in [0, {vocab}), got {token}")
 
     def recompute_pull(self, request_id: str) -> None:
         """Decode side: the pull failed or will not happen: compute the prompt here instead."""

@@ -110,7 +110,7 @@ class OutputProcessor:
 
     def _delta(self, request: RequestState, seq: Sequence) -> CompletionOutput:
         state = request.texts[seq.seq_id]
-        if seq.is_finished and state.held:  # ended without a stop string: show the rest
+        if seq.finish_reason is not None and state.held:  # ended: show the rest
             state.new_text.append(state.held)
             state.held = ""
         first = state.num_emitted_tokens

@@ -42,6 +42,7 @@ class ScheduledBatch:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
     pulls: list[Sequence] = field(default_factory=list)  # admitted to PULLING this step
+    prefills: list[Sequence] = field(default_factory=list)  # prefill-only, admitted this step
     num_preempted: int = 0
 
     @property
@@ -119,7 +120,10 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed_tokens, budget)
             while not self.pool.can_append(seq, num_new):
-                victim = self.running.pop()  # the newest; never one already scheduled
+                victim = self._victim(i)  # the newest; never one already scheduled
+                if victim is None:  # all prefill-only, their blocks promised: seq waits a step
+                    i += 1
+                    break
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
@@ -168,18 +172,31 @@ class Scheduler:
                 self.pulling.append(seq)
                 batch.pulls.append(seq)
                 continue
+            # A prefill-only sequence gets blocks for its whole prompt at once: the KV it hands
+            # over may be pulled while later chunks compute, so its blocks never change.
+            reserved = num_new if seq.pin_blocks else None
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.pool.can_allocate(seq, num_new, prefix):
+            if not self.pool.can_allocate(seq, reserved or num_new, prefix):
                 break
             self.waiting.popleft()
-            self.pool.allocate(seq, num_new, prefix)
+            self.pool.allocate(seq, reserved or num_new, prefix)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
+            if seq.pin_blocks:
+                batch.prefills.append(seq)
             budget -= num_new
+
+    def _victim(self, first: int) -> Sequence | None:
+        """The newest running sequence after position ``first`` that may be preempted (taken
+        out of ``running``); prefill-only ones never are."""
+        for j in range(len(self.running) - 1, first - 1, -1):
+            if not self.running[j].pin_blocks:
+                return self.running.pop(j)
+        return None
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         batch.num_preempted += 1

@@ -17,11 +17,14 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Span
 
 from common import tracing
+from common.sampling_params import SamplingParams
 from common.wire import logprobs_to_proto, params_from_proto
 from kvtransfer.base import KVLayout, block_checksums
 from kvtransfer.source import TensorBlockSource
@@ -68,30 +71,40 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
     async def Prefill(  # noqa: N802 (gRPC method name)
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> pb.PrefillResponse:
-        span = tracing.start_grpc_server_span(
-            "prefill",
-            context.invocation_metadata(),
-            {
-                "pdserve.request_id": request.request_id,
-                "pdserve.prompt_tokens": len(request.token_ids),
-            },
-        )
+        span = _span(request, context)
         with tracing.ending(span):
-            if self.draining or self.num_active >= self.max_pending:
-                self.metrics.requests.labels(outcome="rejected").inc()
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "prefill worker is draining or full"
-                )
-            try:
-                params = dataclasses.replace(params_from_proto(request.sampling), n=1)
-            except ValueError as exc:
-                self.metrics.requests.labels(outcome="invalid").inc()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            params = await self._admit(request, context)
             self.num_active += 1
             try:
                 return await self._prefill(request, params, context, span)
             finally:
                 self.num_active -= 1
+
+    async def PrefillStream(  # noqa: N802
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PrefillEvent]:
+        span = _span(request, context)
+        with tracing.ending(span):
+            params = await self._admit(request, context)
+            self.num_active += 1
+            try:
+                async for event in self._prefill_streamed(request, params, context, span):
+                    yield event
+            finally:
+                self.num_active -= 1
+
+    async def _admit(
+        self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> SamplingParams:
+        if self.draining or self.num_active >= self.max_pending:
+            self.metrics.requests.labels(outcome="rejected").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining or full")
+        try:
+            return dataclasses.replace(params_from_proto(request.sampling), n=1)
+        except ValueError as exc:
+            self.metrics.requests.labels(outcome="invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise  # not reached: abort raises
 
     async def _prefill(self, request, params, context, span: Span):  # type: ignore[no-untyped-def]
         final = None
@@ -107,46 +120,82 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             except ValueError as exc:
                 self.metrics.requests.labels(outcome="invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        assert final is not None
+        assert final is not None and final.kv_block_ids is not None
         if span.is_recording():
-            _trace_prefill(span, seqs[0], final.num_cached_tokens, len(final.kv_block_ids or ()))
-        out = final.outputs[0]
-        response = pb.PrefillResponse(
-            first_token=out.token_ids[0],
-            first_text=out.text,
-            num_cached_tokens=final.num_cached_tokens,
-            timings=prefill_timings(seqs[0]),
-        )
-        if out.logprobs:
-            response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
-        if final.kv_block_ids is None:  # the first token ended the request: nothing pinned
-            response.finish_reason = out.finish_reason or "stop"
+            _trace_prefill(span, seqs[0], final.num_cached_tokens, len(final.kv_block_ids))
+        response = _response(final, seqs[0])
+        if response.finish_reason:  # the first token ended the request: nothing to pull
+            await asyncio.shield(self.engine.release_pinned(rid))
             self.metrics.requests.labels(outcome="finished").inc()
             return response
         # Grant the lease before any await: from here on the reaper frees the blocks even if
         # this call is cancelled.
-        self.leases.pin(request.request_id, final.kv_block_ids, with_checksums=False)
-        expires = _unix_ms_in(self.leases.lease_seconds)
-        blocks = self.leases.read_blocks(request.request_id, final.kv_block_ids)
+        self.leases.pin(rid, final.kv_block_ids, with_checksums=False)
+        blocks = self.leases.read_blocks(rid, final.kv_block_ids)
         checksums = await asyncio.to_thread(block_checksums, blocks)
-        ident = self.identity
-        response.kv.CopyFrom(
-            pb.KVHandle(
-                request_id=request.request_id,
-                prefill_worker_id=ident.worker_id,
-                transport=ident.kv_transport,
-                address=ident.kv_address,
-                block_ids=final.kv_block_ids,
-                num_tokens=len(final.prompt_token_ids),
-                layout=layout_to_proto(ident.layout),
-                checksums=checksums,
-                lease_expires_unix_ms=expires,
-                fingerprint=ident.fingerprint,
-                release_address=ident.grpc_address,
-            )
-        )
+        response.kv.CopyFrom(self._handle(rid, final.kv_block_ids, len(seqs[0].prompt_token_ids)))
+        response.kv.checksums.extend(checksums)
         self.metrics.requests.labels(outcome="pinned").inc()
         return response
+
+    async def _prefill_streamed(self, request, params, context, span: Span):  # type: ignore[no-untyped-def]
+        """The handle as soon as the prompt's blocks are reserved (they are pulled while the
+        rest is computed), then the answer. The lease decides when the blocks go: a call that
+        ends early releases it, and the engine frees (or aborts) once no transfer reads them."""
+        rid, tokens = request.request_id, list(request.token_ids)
+        leased, final = False, None
+        try:
+            with self.metrics.prefill_seconds.time():
+                try:
+                    stream, seqs = await self.engine.add_request(rid, tokens, params, True)
+                except ValueError as exc:
+                    self.metrics.requests.labels(outcome="invalid").inc()
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                block_ids = await self.engine.prefill_admitted(rid)
+                seq = seqs[0]
+                self.leases.pin(
+                    rid, block_ids, progress=lambda: seq.num_computed_tokens, num_tokens=len(tokens)
+                )
+                leased = True
+                yield pb.PrefillEvent(kv=self._handle(rid, block_ids, len(tokens), streaming=True))
+                async for output in self.engine.outputs(rid, stream, abort_on_exit=False):
+                    final = output if final is None else _merged(final, output)
+            assert final is not None
+            if span.is_recording():
+                _trace_prefill(span, seq, final.num_cached_tokens, len(block_ids))
+            response = _response(final, seq)
+            self.leases.finish(rid, _final(response))
+            if response.finish_reason:  # nothing to decode: the blocks may go
+                self.leases.release(rid)
+            outcome = "finished" if response.finish_reason else "pinned"
+            self.metrics.requests.labels(outcome=outcome).inc()
+        except BaseException:
+            if leased:  # freed (or aborted) once no transfer reads the blocks
+                self.leases.release(rid)
+            else:
+                await asyncio.shield(self.engine.abort(rid))
+            raise
+        # Out of the try: a caller that goes away once it has the answer (the router cancels
+        # the call) must not end the lease the decode worker still pulls under.
+        yield pb.PrefillEvent(done=response)
+
+    def _handle(
+        self, request_id: str, block_ids: list[int], num_tokens: int, streaming: bool = False
+    ) -> pb.KVHandle:
+        ident = self.identity
+        return pb.KVHandle(
+            request_id=request_id,
+            prefill_worker_id=ident.worker_id,
+            transport=ident.kv_transport,
+            address=ident.kv_address,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            layout=layout_to_proto(ident.layout),
+            lease_expires_unix_ms=_unix_ms_in(self.leases.lease_seconds),
+            fingerprint=ident.fingerprint,
+            release_address=ident.grpc_address,
+            streaming=streaming,
+        )
 
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -170,6 +219,40 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                 log.info("lease of %s expired; freeing its blocks", request_id)
                 self.metrics.lease_expirations.inc()
             await asyncio.sleep(interval)
+
+
+def _span(request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> Span:
+    return tracing.start_grpc_server_span(
+        "prefill",
+        context.invocation_metadata(),
+        {"pdserve.request_id": request.request_id, "pdserve.prompt_tokens": len(request.token_ids)},
+    )
+
+
+def _response(final: RequestOutput, seq: Sequence) -> pb.PrefillResponse:
+    """The answer: the first token, its text (less what could start a stop string), whether it
+    ended the request, and the phases."""
+    out = final.outputs[0]
+    response = pb.PrefillResponse(
+        first_token=out.token_ids[0],
+        first_text=out.text,
+        num_cached_tokens=final.num_cached_tokens,
+        finish_reason=out.finish_reason or "",
+        timings=prefill_timings(seq),
+    )
+    if out.logprobs:
+        response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+    return response
+
+
+def _final(response: pb.PrefillResponse) -> dict[str, Any]:
+    """What a streamed pull's last part carries to the decode worker."""
+    logprobs = {str(e.token_id): e.logprob for e in response.logprobs.entries}
+    return {
+        "first_token": response.first_token,
+        "logprobs": logprobs or None,
+        "finish_reason": response.finish_reason,
+    }
 
 
 def prefill_timings(seq: Sequence) -> pb.PhaseTimings:

@@ -61,6 +61,7 @@ class AsyncEngine:
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._streams: dict[str, OutputStream] = {}
         self._plans: dict[str, asyncio.Future[PullPlan]] = {}
+        self._admissions: dict[str, asyncio.Future[list[int]]] = {}
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._task: asyncio.Task[None] | None = None
@@ -90,21 +91,30 @@ class AsyncEngine:
     ) -> tuple[OutputStream, list[Sequence]]:
         """Add a request (ValueError for bad input or an id in use; nothing left behind);
         returns its stream for ``outputs`` and its sequences, whose timestamps may be read
-        once it is over."""
+        once it is over. A prefill-only request (``pin_blocks``) can be awaited
+        ``prefill_admitted``."""
         stream = self._open(request_id)
+        if pin_blocks:
+            self._admissions[request_id] = asyncio.get_running_loop().create_future()
         try:
-            seqs = await self._call(
-                self.engine.add_request, request_id, prompt, params, pin_blocks
-            )
+            seqs = await self._call(self.engine.add_request, request_id, prompt, params, pin_blocks)
         except BaseException as exc:
             self._streams.pop(request_id, None)
+            self._admissions.pop(request_id, None)
             if not isinstance(exc, ValueError):  # cancelled, perhaps after the engine took it
                 await asyncio.shield(self.abort(request_id))
             raise
         return stream, seqs
 
-    async def outputs(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
-        """Yield ``request_id``'s outputs until it finishes; abort it if the caller goes away."""
+    async def prefill_admitted(self, request_id: str) -> list[int]:
+        """A prefill-only request's blocks (the whole prompt's), once the scheduler admits it."""
+        return await asyncio.shield(self._admissions[request_id])
+
+    async def outputs(
+        self, request_id: str, stream: OutputStream, abort_on_exit: bool = True
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield ``request_id``'s outputs until it finishes; abort it if the caller goes away
+        (unless ``abort_on_exit`` is False: a caller whose request is leased ends it itself)."""
         finished = False
         try:
             while not finished:
@@ -113,7 +123,8 @@ class AsyncEngine:
                 yield output
         finally:
             self._streams.pop(request_id, None)
-            if not finished:  # cancelled (client gone) or failed: free its blocks now
+            self._admissions.pop(request_id, None)
+            if not finished and abort_on_exit:  # cancelled (client gone) or failed: free now
                 await asyncio.shield(self.abort(request_id))
 
     async def generate(
@@ -140,7 +151,7 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        first_token: int,
+        first_token: int | None,
         params: SamplingParams,
         first_logprobs: dict[int, float] | None,
     ) -> tuple[RequestOutput | None, list[Sequence], OutputStream]:
@@ -173,10 +184,26 @@ class AsyncEngine:
         future = self._plans[request_id]
         return await asyncio.wait_for(asyncio.shield(future), timeout)
 
-    async def commit_pull(self, plan: PullPlan, blocks: torch.Tensor) -> float:
-        """The pulled blocks go in; returns when (``time.monotonic()``) the request could run."""
+    async def commit_pull(
+        self,
+        plan: PullPlan,
+        blocks: torch.Tensor,
+        first_token: int | None = None,
+        first_logprobs: dict[int, float] | None = None,
+    ) -> float:
+        """The pulled blocks go in (with the first token, when it came with them); returns when
+        (``time.monotonic()``) the request could run. When that first token ended the request,
+        its final output goes to its stream."""
         self._plans.pop(plan.request_id, None)
-        return await self._call(_stamped(self.engine.commit_pull), plan, blocks)
+
+        def commit() -> float:
+            done = self.engine.commit_pull(plan, blocks, first_token, first_logprobs)
+            stream = self._streams.get(plan.request_id)
+            if done is not None and stream is not None:
+                stream.put(done)
+            return time.monotonic()
+
+        return await self._call(commit)
 
     async def recompute_pull(self, request_id: str) -> float:
         """Compute the prompt here instead (also before admission); returns when it was queued."""
@@ -229,6 +256,10 @@ class AsyncEngine:
             future = self._plans.get(plan.request_id)
             if future is not None and not future.done():
                 future.set_result(plan)
+        for request_id, block_ids in self.engine.take_prefill_admissions():
+            admitted = self._admissions.get(request_id)
+            if admitted is not None and not admitted.done():
+                admitted.set_result(block_ids)
         return len(plans)
 
     def _apply_pending(self) -> None:

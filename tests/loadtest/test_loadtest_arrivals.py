@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from loadtest.arrivals import Schedule, gaps, offsets, parse_rates, ramp_rate
-from loadtest.client import ClientConfig, rate_check
+from loadtest.client import ClientConfig, RequestResult, rate_check
 from loadtest.datasets import PRESETS, DatasetConfig, approx_tokens, load
-from loadtest.metrics import parse_goodput, percentile_name
+from loadtest.metrics import meets, parse_goodput, percentile_name
 from loadtest.slo import RunSpec, search
 from tests.loadtest.standin import standin
 
@@ -63,6 +63,7 @@ def test_rates_and_slo_parsing() -> None:
     assert parse_rates("1,2, 4,inf") == [1.0, 2.0, 4.0, math.inf]
     assert parse_goodput(["ttft:500", "tpot:50"]) == {"ttft": 500.0, "tpot": 50.0}
     assert parse_goodput(["e2el:2000,ttft:100"]) == {"e2el": 2000.0, "ttft": 100.0}
+    assert parse_goodput(["itl_p99:200"]) == {"itl_p99": 200.0}
     with pytest.raises(ValueError):
         parse_goodput(["itl:5"])
     assert percentile_name(99) == "p99" and percentile_name(99.9) == "p99.9"
@@ -172,3 +173,12 @@ def test_a_tokenizer_file_counts_exactly(tmp_path) -> None:  # type: ignore[no-u
     custom.write_text('{"prompt": "hello world hello, x", "max_tokens": 3}\n')
     cfg = DatasetConfig(name="custom", path=str(custom), tokenizer=str(path))
     assert load(cfg)[0].prompt_len == 5  # hello world hello , x
+
+
+def test_the_itl_p99_slo_bounds_each_requests_own_stalls() -> None:
+    timing = {"ok": True, "output_len": 101, "ttft": 0.1, "e2el": 2.1}
+    steady = RequestResult(0, itls=[0.02] * 100, **timing)  # type: ignore[arg-type]
+    stalled = RequestResult(1, itls=[0.01] * 98 + [0.5] * 2, **timing)  # type: ignore[arg-type]
+    assert steady.tpot == pytest.approx(stalled.tpot)  # same mean: TPOT cannot tell them apart
+    assert meets(steady, {"itl_p99": 100}) and not meets(stalled, {"itl_p99": 100})
+    assert meets(stalled, {"tpot": 100})

@@ -19,6 +19,7 @@ from router.disaggregation import (
     make_disaggregation_policy,
 )
 from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+from tests.services.workers import metric
 
 LOCAL, BUSY = 64, 256
 
@@ -126,3 +127,67 @@ def test_the_usage_field_streams_too(cluster) -> None:  # type: ignore[no-untype
     response = httpx.post(router.url + "/v1/completions", json=body, timeout=60)
     usage_events = [line for line in response.text.splitlines() if '"usage":{' in line]
     assert usage_events and '"pdserve_timings":[{"kv_source":"local"' in usage_events[-1]
+
+
+def test_streamed_and_whole_kv_give_the_same_answers(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Two routers over the same pair, both always disaggregating: one streams the KV while the
+    prompt computes (the default), one pulls it once the prefill is done (--no-stream-kv). Same
+    answers, sampled ones included (n > 1, a seed), and one token only; no block left behind."""
+    c, _ = cluster
+    streaming = c.add_router("--disaggregation", "always")
+    whole = c.add_router("--disaggregation", "always", "--no-stream-kv")
+    for router in (streaming, whole):
+        router.wait_ready(num_workers=2)
+    document = "Continuous batching admits new requests at every step. " * 12
+    bodies = [
+        {"prompt": document, "max_tokens": 6, "temperature": 0},
+        {"prompt": document + "Why?", "max_tokens": 5, "n": 2, "seed": 7, "temperature": 1.0},
+        {"prompt": document + "In short:", "max_tokens": 1, "temperature": 0},
+        {"prompt": document + "Once:", "max_tokens": 1, "n": 2, "seed": 3, "temperature": 1.0},
+    ]
+    for body in bodies:
+        answers = []
+        for router in (streaming, whole):
+            response = httpx.post(
+                router.url + "/v1/completions", json={"model": MODEL, **body}, timeout=120
+            )
+            assert response.status_code == 200, response.text
+            answers.append(response.json())
+        texts = [[choice["text"] for choice in answer["choices"]] for answer in answers]
+        assert texts[0] == texts[1], body
+        if body["max_tokens"] > 1:  # the part of the pull the prefill did not hide
+            timing = answers[0]["usage"]["pdserve_timings"][0]
+            assert 0 <= timing["kv_transfer_exposed_ms"] <= timing["kv_transfer_ms"]
+        assert answers[0]["usage"]["completion_tokens"] == answers[1]["usage"]["completion_tokens"]
+    streamed = streaming.metric("pdserve_router_kv_sources_total", 'source="pulled"')
+    assert streamed == len(bodies)
+    for worker in c.workers:
+        assert wait_until(lambda w=worker: blocks_in_use(w) == 0)
+
+
+def test_a_streamed_pull_that_fails_before_the_first_token_is_recomputed(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Every pull from this prefill worker arrives corrupted. The streamed pull fails before the
+    decode worker has the first token, so it cannot recompute yet and answers ABORTED; the
+    router asks the same worker again once the prefill's answer is in, and that attempt,
+    failing its pull again, computes the prompt itself. The client sees a normal answer."""
+    c = Cluster(redis_server.url)
+    try:
+        c.add_workers("prefill", extra=("--kv-faults", "corrupt=1"))
+        (decode,) = c.add_workers("decode")
+        router = c.add_router("--disaggregation", "always")
+        router.wait_ready(num_workers=2)
+        document = "A decode worker pulls the prompt's blocks while they are computed. " * 8
+        answer = complete(router, document)
+        [timing] = answer["usage"]["pdserve_timings"]
+        assert timing["kv_source"] == "recomputed"
+        assert answer["usage"]["completion_tokens"] == 3
+        assert router.metric("pdserve_router_retries_total", 'pool="decode",reason="aborted"') == 1
+        assert metric(decode, "pdserve_kv_pulls_total", 'outcome="failed"') == 1
+        assert metric(decode, "pdserve_kv_pulls_total", 'outcome="recomputed"') == 1
+        for worker in c.workers:
+            assert wait_until(lambda w=worker: blocks_in_use(w) == 0)
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()

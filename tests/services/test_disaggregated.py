@@ -20,6 +20,7 @@ from tests.services.workers import (
     prefill,
     run,
     running,
+    streamed,
     used_blocks,
 )
 
@@ -66,11 +67,32 @@ def test_disaggregated_equals_colocated_and_offline(transport, expected, tokeniz
                 disaggregated(p.info["grpc_address"], d.info["grpc_address"], f"r{i}", ids, GREEDY)
             )
             col = run(colocated(c.info["grpc_address"], f"c{i}", ids, GREEDY))
-            assert dis.kv_source == "pulled"
-            assert dis.token_ids == col.token_ids == expected[i]
-            assert dis.text == tokenizer.decode(expected[i])
+            flow = run(
+                streamed(p.info["grpc_address"], d.info["grpc_address"], f"s{i}", ids, GREEDY)
+            )
+            assert dis.kv_source == flow.kv_source == "pulled"
+            assert dis.token_ids == col.token_ids == flow.token_ids == expected[i]
+            assert dis.text == flow.text == tokenizer.decode(expected[i])
         assert wait_until(lambda: used_blocks(p) == 0 == used_blocks(d), 5)
         assert used_blocks(c) == 0
+
+
+def test_streamed_kv_from_a_chunked_prefill_equals_offline(redis_server, llm, tokenizer):
+    """The prefill computes 16 tokens a step, so the decode worker pulls the prompt's blocks
+    in several parts while later chunks compute; the answer is the offline engine's."""
+    base = ["--redis-url", redis_server.url, "--redis-prefix", "chunked:"]
+    chunked = [*base, "--max-num-batched-tokens", "16"]
+    prompt = " ".join(PROMPTS * 3)  # some 250 tokens: many chunks, several blocks
+    ids = tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    offline = llm.generate([prompt], params)[0].outputs[0].token_ids
+    with running([("prefill", chunked), ("decode", base)]) as (p, d):
+        result = run(streamed(p.info["grpc_address"], d.info["grpc_address"], "ch", ids, params))
+        assert result.kv_source == "pulled"
+        assert result.token_ids == offline
+        assert len(result.handle.block_ids) == -(-len(ids) // 16)
+        assert wait_until(lambda: used_blocks(p) == 0 == used_blocks(d), 5)
+        assert metric(d, "pdserve_kv_pulls_total", 'outcome="pulled"') == 1
 
 
 @pytest.fixture(scope="module")

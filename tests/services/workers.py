@@ -165,6 +165,54 @@ async def disaggregated(
     return await generate(d_address, request, result, max_chunks, metadata)
 
 
+async def streamed(
+    p_address: str,
+    d_address: str,
+    request_id: str,
+    prompt: list[int],
+    params: SamplingParams,
+    metadata=AUTH,
+) -> Result:  # type: ignore[no-untyped-def]
+    """The router's streamed flow: PrefillStream on P; Generate on D with the streaming handle
+    as soon as it comes (D pulls while P computes); the first token from P's answer."""
+    async with grpc.aio.insecure_channel(p_address) as channel:
+        call = pb_grpc.PrefillServiceStub(channel).PrefillStream(
+            pb.PrefillRequest(
+                request_id=request_id, token_ids=prompt, sampling=params_to_proto(params)
+            ),
+            timeout=60,
+            metadata=metadata,
+        )
+        handle = (await call.read()).kv  # the first event; the answer follows
+        assert handle.streaming and not handle.checksums
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=params_to_proto(params),
+            kv=handle,
+        )
+        decoding = asyncio.create_task(generate(d_address, request, Result(), metadata=metadata))
+        answer = (await call.read()).done
+    result = Result(
+        first_token=answer.first_token,
+        token_ids=[answer.first_token],
+        text=answer.first_text,
+        num_cached_prefill=answer.num_cached_tokens,
+        handle=handle,
+        finish_reason=answer.finish_reason,
+    )
+    if answer.finish_reason:  # nothing to decode: the decode call is dropped
+        decoding.cancel()
+        return result
+    decoded = await decoding
+    result.token_ids += decoded.token_ids
+    result.text += decoded.text
+    result.finish_reason = decoded.finish_reason
+    result.kv_source = decoded.kv_source
+    result.num_cached_decode = decoded.num_cached_decode
+    return result
+
+
 async def colocated(
     address: str, request_id: str, prompt: list[int], params: SamplingParams
 ) -> Result:

@@ -1,0 +1,88 @@
+"""Streamed pulls on every transport: a decode worker pulls a prompt's KV blocks while the prefill
+still computes them. The test plays the prefill worker: it "computes" blocks one at a time
+(the source's progress), then sets the final answer; the client must get every block, exactly,
+in several parts, and the final answer with the last one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+
+import pytest
+import torch
+
+from kvtransfer import KVLayout, TensorBlockSource, available_transports, make_client, make_server
+from kvtransfer.base import TransferError
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
+TOKEN = "t0k3n"
+PROMPT_BLOCKS = [5, 2, 7, 3, 9]  # the prompt's blocks, in prompt order
+NUM_TOKENS = 18  # the last block holds 2 of its 4 slots
+
+
+def transports() -> list[str]:
+    return [t for t in ("tcp", "shm", "torch", "ucx") if t in available_transports()]
+
+
+def kv_cache(transport: str) -> tuple[torch.Tensor, str | None]:
+    shape = (12, *LAYOUT.block_shape)
+    if transport != "shm":
+        return torch.randn(shape), None
+    fd, path = tempfile.mkstemp(dir="/dev/shm", prefix="pdserve-test-")
+    os.close(fd)
+    numel = int(torch.Size(shape).numel())
+    cache = torch.from_file(path, shared=True, size=numel, dtype=torch.float32).view(shape)
+    cache.copy_(torch.randn(shape))
+    return cache, path
+
+
+@pytest.mark.parametrize("transport", transports())
+def test_a_streamed_pull_gets_every_block_as_it_is_computed(transport: str) -> None:
+    cache, path = kv_cache(transport)
+    computed = [0]
+
+    async def run() -> None:
+        source = TensorBlockSource(cache, lease_seconds=5)
+        source.pin("req", PROMPT_BLOCKS, progress=lambda: computed[0], num_tokens=NUM_TOKENS)
+        options = {"path": path} if path else {}
+        server = make_server(transport, source, LAYOUT, TOKEN, **options)
+        address = await server.start("127.0.0.1")
+        client = make_client(transport, token=TOKEN)
+        try:
+            wanted = PROMPT_BLOCKS[1:]  # the decode side caches the first block itself
+            pull = asyncio.ensure_future(
+                client.pull_streamed(address, "req", wanted, LAYOUT, 10.0)
+            )
+            for tokens in range(0, NUM_TOKENS + 1, 2):  # the prefill, two tokens at a time
+                computed[0] = tokens
+                await asyncio.sleep(0.05)
+            assert not pull.done(), "the last block waits for the final answer"
+            source.finish("req", {"first_token": 42})
+            result = await asyncio.wait_for(pull, 10)
+            assert result.num_blocks == len(wanted) and result.num_parts >= 3
+            assert torch.equal(result.blocks, cache[torch.tensor(wanted)])
+            assert result.final == {"first_token": 42}
+            assert 0 <= result.exposed_s < result.seconds
+        finally:
+            await client.close()
+            await server.stop()
+            if path:
+                os.unlink(path)
+
+    asyncio.run(run())
+
+
+def test_a_streamed_pull_of_a_request_never_pinned_is_refused() -> None:
+    async def run() -> None:
+        source = TensorBlockSource(torch.randn(4, *LAYOUT.block_shape))
+        server = make_server("tcp", source, LAYOUT, TOKEN)
+        address = await server.start("127.0.0.1")
+        client = make_client("tcp", token=TOKEN)
+        with pytest.raises(TransferError) as info:
+            await client.pull_streamed(address, "nope", [1], LAYOUT, 5.0)
+        assert info.value.reason == "unknown_request"
+        await client.close()
+        await server.stop()
+
+    asyncio.run(run())
