@@ -25,9 +25,9 @@ from router.config import RouterConfig
 from router.edge import EdgeMiddleware, TraceMiddleware
 from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, new_request_id, now_unix
-from router.orchestrator import Chunk, SubRequest
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import DONE, ResponseBuilder
+from router.worker_calls import Chunk, SubRequest
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ from common.sampling_params import SamplingParams
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
-from router.orchestrator import Chunk, Orchestrator, SubRequest
+from router.orchestrator import Orchestrator
+from router.worker_calls import Chunk, SubRequest
 from services.engine.model.source import model_name, resolve_model_dir
 from services.engine.tokenizer import Tokenizer
 from services.registry import RegistryConfig, RegistryView, WorkerRecord, tokenizer_hash

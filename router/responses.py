@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.orchestrator import Chunk
+from router.worker_calls import Chunk
 from services.engine.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]

@@ -51,9 +51,7 @@ def test_a_streamed_pull_gets_every_block_as_it_is_computed(transport: str) -> N
         client = make_client(transport, token=TOKEN)
         try:
             wanted = PROMPT_BLOCKS[1:]  # the decode side caches the first block itself
-            pull = asyncio.ensure_future(
-                client.pull_streamed(address, "req", wanted, LAYOUT, 10.0)
-            )
+            pull = asyncio.ensure_future(client.pull_streamed(address, "req", wanted, LAYOUT, 10.0))
             for tokens in range(0, NUM_TOKENS + 1, 2):  # the prefill, two tokens at a time
                 computed[0] = tokens
                 await asyncio.sleep(0.05)
