@@ -99,10 +99,7 @@ class AsyncEngine:
         try:
             seqs = await self._call(self.engine.add_request, request_id, prompt, params, pin_blocks)
         except BaseException as exc:
-            self._streams.pop(request_id, None)
-            self._admissions.pop(request_id, None)
-            if not isinstance(exc, ValueError):  # cancelled, perhaps after the engine took it
-                await asyncio.shield(self.abort(request_id))
+            await self._undo_add(request_id, exc)
             raise
         return stream, seqs
 
@@ -168,14 +165,10 @@ class AsyncEngine:
         try:
             finished, seqs = await self._call(add)
         except BaseException as exc:
-            self._streams.pop(request_id, None)
-            self._plans.pop(request_id, None)
-            if not isinstance(exc, ValueError):  # cancelled, perhaps after the engine took it
-                await asyncio.shield(self.abort(request_id))
+            await self._undo_add(request_id, exc)
             raise
         if finished is not None:
-            self._streams.pop(request_id, None)
-            self._plans.pop(request_id, None)
+            self._forget(request_id)
         return finished, seqs, stream
 
     async def pull_plan(self, request_id: str, timeout: float | None = None) -> PullPlan:
@@ -211,6 +204,18 @@ class AsyncEngine:
         return await self._call(_stamped(self.engine.recompute_pull), request_id)
 
     # ----- the loop -------------------------------------------------------------------------
+    async def _undo_add(self, request_id: str, exc: BaseException) -> None:
+        """An add that raised leaves nothing here; unless it was refused as bad input (it was
+        cancelled, perhaps after the engine took it) the engine aborts it too."""
+        self._forget(request_id)
+        if not isinstance(exc, ValueError):
+            await asyncio.shield(self.abort(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._plans.pop(request_id, None)
+        self._admissions.pop(request_id, None)
+
     def _open(self, request_id: str) -> OutputStream:
         if request_id in self._streams:  # refused before anything of the first one is touched
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -1,0 +1,96 @@
+"""The router process's footprint: start time and memory, with the torch import as a yardstick.
+
+Starts ``pdserve router`` (a real Redis registry, no workers) ``--repeats`` times and measures
+each start: from spawn to its ready line (it listens, its tokenizer is loaded), and its RSS
+once it has answered ``/v1/models``. Beside it, a bare ``python -c "import torch"``: what the
+router would pay on top if it imported the engine (it never does; tests/router/test_torch_free.py
+checks that).
+
+    python benchmarks/router_footprint.py [--repeats 5]
+
+Prints medians; writes router_footprint.json to --out-dir (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from machine import machine_info  # noqa: E402
+
+from services.redis_server import RedisServer  # noqa: E402
+from services.worker.launcher import WorkerProcess  # noqa: E402
+
+
+def router_start(redis_url: str) -> tuple[float, float]:
+    """(seconds from spawn to ready, RSS in MiB after one request) of one router start."""
+    router = WorkerProcess("router", ["--port", "0", "--redis-url", redis_url, "--insecure"])
+    start = time.perf_counter()
+    router.start()
+    ready = time.perf_counter() - start
+    try:
+        httpx.get(str(router.info["url"]) + "/v1/models", timeout=10).raise_for_status()
+        assert router.proc is not None
+        rss = psutil.Process(router.proc.pid).memory_info().rss / 2**20
+    finally:
+        router.terminate(timeout=10)
+    return ready, rss
+
+
+def torch_import() -> tuple[float, float]:
+    """(seconds, RSS in MiB) of a bare interpreter importing torch."""
+    code = (
+        "import time, resource; t = time.perf_counter(); import torch; "
+        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    seconds, max_rss_kib = out.stdout.split()
+    return float(seconds), float(max_rss_kib) / 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    machine = machine_info(1)
+    command = "python " + shlex.join(sys.argv)
+    print(f"$ {command}")
+    print(f"machine: {machine['cpu']}, {machine['cores']} cores")
+    with RedisServer() as redis:
+        starts = [router_start(redis.url) for _ in range(args.repeats)]
+    imports = [torch_import() for _ in range(args.repeats)]
+    result = {
+        "router_ready_s": statistics.median(s for s, _ in starts),
+        "router_rss_mib": statistics.median(r for _, r in starts),
+        "torch_import_s": statistics.median(s for s, _ in imports),
+        "torch_import_rss_mib": statistics.median(r for _, r in imports),
+    }
+    print(
+        f"router: ready in {result['router_ready_s']:.2f} s, RSS {result['router_rss_mib']:.0f} MiB"
+        f" after a request (medians of {args.repeats})\n"
+        f"for scale, `import torch` alone: {result['torch_import_s']:.2f} s, "
+        f"{result['torch_import_rss_mib']:.0f} MiB max RSS"
+    )
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / "router_footprint.json"
+    path.write_text(json.dumps({"command": command, "machine": machine, **result}, indent=2) + "\n")
+    print(f"saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
