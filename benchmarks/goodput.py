@@ -165,8 +165,9 @@ def wait_workers(url: str, count: int, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def deployed(name: str, redis_url: str) -> Iterator[Deployment]:
-    """Start the workers of configuration ``name`` and a router; stop them all afterwards."""
+def deployed(name: str, redis_url: str, router_extra: list[str]) -> Iterator[Deployment]:
+    """Start the workers of configuration ``name`` and a router (with ``router_extra`` flags);
+    stop them all afterwards."""
     prefix = f"goodput{uuid.uuid4().hex[:6]}:"
     registry = ["--redis-url", redis_url, "--redis-prefix", prefix]
     deployment = Deployment(name)
@@ -184,7 +185,8 @@ def deployed(name: str, redis_url: str) -> Iterator[Deployment]:
             deployment.processes.append(w)
         for w in workers:
             w.wait_ready()
-        router_args = ["--port", "0", "--ttl-seconds", "2", *ROUTER_FLAGS.get(name, []), *registry]
+        flags = [*ROUTER_FLAGS.get(name, []), *router_extra]
+        router_args = ["--port", "0", "--ttl-seconds", "2", *flags, *registry]
         router = WorkerProcess("router", router_args, {"PYTHONPATH": str(ROOT)})
         deployment.processes.append(router)
         router.start()
@@ -238,6 +240,7 @@ class Plan:
     base_samples: dict[str, list[Sample]]
     seed: int
     interference: bool = True
+    router_args: list[str] = field(default_factory=list)  # for every configuration's router
 
     @property
     def num_runs(self) -> int:
@@ -265,7 +268,7 @@ def measure(
     with RedisServer() as redis:
         for name in plan.configs:
             bar.set_description(f"{name}: starting")
-            with deployed(name, redis.url) as d:
+            with deployed(name, redis.url, plan.router_args) as d:
                 out[name] = {}
                 for preset, rates in plan.rates.items():
                     bar.set_description(f"{name} {preset} baseline")
@@ -477,6 +480,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-itl-p99-ms", type=float, help=f"default {ITL_FACTOR:g}x unloaded ITL p99")
     p.add_argument("--quick", action="store_true", help="~5 min: 10 prompts, 2 rates, 3 baseline")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--router-args",
+        default="",
+        help="extra flags for every router, e.g. '--local-prefill-tokens 64' (one string)",
+    )
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     if args.quick:
@@ -508,6 +516,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         },
         seed=args.seed,
         interference=not args.no_interference,
+        router_args=shlex.split(args.router_args),
     )
 
 
