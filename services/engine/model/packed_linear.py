@@ -10,6 +10,8 @@ model's four per-layer GEMMs run 2-4x faster (``docs/benchmarks.md``). Results d
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -22,9 +24,25 @@ def can_pack(weight: torch.Tensor) -> bool:
         weight.device.type == "cpu"
         and weight.dtype in _PACKABLE_DTYPES
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and onednn_supports(weight.dtype)
     )
+
+
+@functools.cache
+def onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run oneDNN's packed linear in ``dtype``. Asked once per
+    dtype by packing a tiny matrix: oneDNN's bf16 path needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT),
+    which some VMs hide from the guest; those fall back to ``F.linear``."""
+    mkldnn = torch.ops.mkldnn
+    if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), None)
+        x = torch.zeros(1, 16, dtype=dtype)
+        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
