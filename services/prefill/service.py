@@ -143,11 +143,12 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         rest is computed), then the answer. The lease decides when the blocks go: a call that
         ends early releases it, and the engine frees (or aborts) once no transfer reads them."""
         rid, tokens = request.request_id, list(request.token_ids)
-        leased, final = False, None
+        added, leased, final = False, False, None
         try:
             with self.metrics.prefill_seconds.time():
                 try:
                     stream, seqs = await self.engine.add_request(rid, tokens, params, True)
+                    added = True
                 except ValueError as exc:
                     self.metrics.requests.labels(outcome="invalid").inc()
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -172,7 +173,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         except BaseException:
             if leased:  # freed (or aborted) once no transfer reads the blocks
                 self.leases.release(rid)
-            else:
+            elif added:  # never abort a refused call's id: it may name another live request
                 await asyncio.shield(self.engine.abort(rid))
             raise
         # Out of the try: a caller that goes away once it has the answer (the router cancels

@@ -11,9 +11,13 @@ import grpc
 import pytest
 
 import kvtransfer
+from common.wire import params_to_proto
 from pdserve import SamplingParams
+from protos import pdserve_pb2 as pb
+from protos import pdserve_pb2_grpc as pb_grpc
 from tests.conftest import PROMPTS
 from tests.services.workers import (
+    AUTH,
     colocated,
     disaggregated,
     metric,
@@ -128,6 +132,53 @@ def test_abort_mid_decode_frees_decode_blocks_at_once(pair, tokenizer):
     )
     assert len(result.token_ids) >= 3 and not result.finish_reason
     assert wait_until(lambda: used_blocks(d) == 0 and used_blocks(p) == 0, timeout=5)
+
+
+@pytest.mark.parametrize("streamed_call", [False, True], ids=["whole", "streamed"])
+def test_a_duplicate_prefill_id_is_refused_and_the_first_request_keeps_its_blocks(
+    pair, tokenizer, expected, streamed_call
+):
+    """A second Prefill(Stream) with a live request's id gets INVALID_ARGUMENT; the first
+    request's pinned blocks stay pinned (once, a refused streamed call aborted the first),
+    its pull still succeeds and gives the offline tokens, and nothing leaks."""
+    p, d = pair
+    ids = tokenizer.encode(PROMPTS[0])
+    rid = f"dup-{streamed_call}"
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    async def flow() -> tuple[grpc.StatusCode | None, list[int], str]:
+        async def refuse_duplicate(answer):  # type: ignore[no-untyped-def]
+            pinned = used_blocks(p)
+            async with grpc.aio.insecure_channel(p.info["grpc_address"]) as channel:
+                stub = pb_grpc.PrefillServiceStub(channel)
+                request = pb.PrefillRequest(
+                    request_id=rid, token_ids=ids, sampling=params_to_proto(params)
+                )
+                try:
+                    if streamed_call:
+                        async for _ in stub.PrefillStream(request, timeout=30, metadata=AUTH):
+                            pass
+                    else:
+                        await stub.Prefill(request, timeout=30, metadata=AUTH)
+                except grpc.aio.AioRpcError as err:
+                    codes.append(err.code())
+            assert used_blocks(p) == pinned  # the first request's blocks are still pinned
+
+        codes: list[grpc.StatusCode] = []
+        result = await disaggregated(
+            p.info["grpc_address"],
+            d.info["grpc_address"],
+            rid,
+            ids,
+            params,
+            before_generate=refuse_duplicate,
+        )
+        return (codes[0] if codes else None), result.token_ids, result.kv_source
+
+    code, tokens, source = run(flow())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert source == "pulled" and tokens == expected[0]
+    assert wait_until(lambda: used_blocks(p) == 0 == used_blocks(d), 5)
 
 
 def test_prefix_reuse_skips_shared_blocks_on_both_sides(pair, tokenizer):
