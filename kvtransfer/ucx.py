@@ -9,13 +9,17 @@ between two local processes, with "rendezvous fragmented copy-in copy-out" for l
 messages (``UCX_PROTO_INFO=y``); ``UCX_RNDV_SCHEME=put_zcopy`` roughly doubles its loopback
 throughput. Prefer ``tcp`` for host-memory KV caches (see ``default_transport``).
 
-Address: ``ucx://HOST:PORT``. The listener binds every interface on PORT: ucxx 0.52's Python
-API takes no address for it (the C++ builder gained one in rapidsai/ucxx#703, not yet exposed),
-so the cluster token is what keeps strangers out; see docs/reliability.md. Per connection (a
-UCX endpoint), messages are framed with :mod:`kvtransfer.framing`, each control frame sent as
-a u64 length then the bytes; a request goes as two frames, its header and token first, so the
-server checks the token before it takes the rest (at most ``MAX_CONNECTIONS`` endpoints, each
-closed when idle for ``IDLE_SECONDS``):
+Address: ``ucx://HOST:PORT``, where PORT is a TCP rendezvous socket bound to the worker's own
+HOST (ucxx 0.52's listener takes no address and would bind every interface, so none is used).
+A client connects there and sends a hello: the cluster token (checked before anything else is
+read or any UCX endpoint exists), its UCX worker address and a fresh random tag pair; the server
+answers with its own worker address and both sides open an endpoint to the other's worker. The
+TCP socket then closes; each connection's messages carry its own tags (``force_tag``), so
+endpoints sharing a UCX worker never see each other's frames. On a connection, messages are
+framed with :mod:`kvtransfer.framing`, each control frame sent as a u64 length then the bytes;
+a request goes as two frames, its header and token first, so the server checks the token
+before it takes the rest (at most ``MAX_CONNECTIONS`` connections, each closed when idle for
+``IDLE_SECONDS``):
 
     client: request head + rest  ──▶  server: reply frame (OK + byte count, or the error)
                                 server: payload (one tag message, the contiguous tensor)
@@ -33,7 +37,11 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import secrets
+import socket
+import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -68,6 +76,13 @@ except ImportError as exc:  # also raised by ucxx itself when its native librari
 MAX_HEAD_BYTES = framing.REQUEST_HEADER.size + framing.MAX_TOKEN_LEN
 MAX_FRAME_BYTES = framing.MAX_ID_LEN + 8 * framing.MAX_BLOCKS
 ABORT_PERIOD_NS = 10**9  # at most 1 s to tear down a broken endpoint
+# The rendezvous hello: magic, version, token length, UCX worker address length; then the
+# token, the address and the connection's two tags (client -> server, server -> client).
+HELLO = struct.Struct("<4sBHI")
+HELLO_MAGIC, HELLO_VERSION = b"PDUX", 1
+TAGS = struct.Struct("<QQ")
+MAX_WORKER_ADDRESS = 1 << 16
+HANDSHAKE_SECONDS = 5.0
 
 
 def ucx_import_error() -> str | None:
@@ -118,6 +133,73 @@ def _abort(ep: Any) -> None:
         pass
 
 
+@dataclass(eq=False)  # hashed by identity: the server keeps a set of them
+class TaggedEndpoint:
+    """One connection: a UCX endpoint to the peer's worker, this connection's tags, and the
+    rendezvous socket, held open while the connection lives. An endpoint made from a worker
+    address never learns that the peer dropped this one connection, so every send and receive
+    also fails at once when the peer closes that socket."""
+
+    ep: Any
+    send_tag: int
+    recv_tag: int
+    sock: socket.socket
+
+    def __post_init__(self) -> None:
+        self.lost = asyncio.Event()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_peer())
+
+    async def send(self, buffer: Any) -> None:
+        await self._unless_lost(self.ep.send(buffer, tag=self.send_tag, force_tag=True))
+
+    async def recv(self, buffer: Any) -> None:
+        await self._unless_lost(self.ep.recv(buffer, tag=self.recv_tag, force_tag=True))
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.ep.closed) or self.lost.is_set()
+
+    def abort(self, period: int = ABORT_PERIOD_NS) -> None:
+        self._watch.cancel()
+        self.sock.close()
+        self.ep.abort(period=period)
+
+    async def _watch_peer(self) -> None:
+        try:  # the peer never writes here: any return is its close
+            await asyncio.get_running_loop().sock_recv(self.sock, 1)
+        except OSError:
+            pass
+        finally:
+            self.lost.set()
+
+    async def _unless_lost(self, operation: Any) -> None:
+        work = asyncio.ensure_future(operation)
+        lost = asyncio.ensure_future(self.lost.wait())
+        try:
+            await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            work.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if not work.done():
+            work.cancel()
+            raise ConnectionResetError("the peer closed the connection")
+        work.result()
+
+
+def _hello(token: str, address: bytes, tags: tuple[int, int]) -> bytes:
+    raw = token.encode()
+    head = HELLO.pack(HELLO_MAGIC, HELLO_VERSION, len(raw), len(address))
+    return head + raw + address + TAGS.pack(*tags)
+
+
+async def _open_endpoint(ucxx: Any, address: bytes) -> Any:
+    """An endpoint to the UCX worker whose address is ``address``."""
+    worker_address = ucxx.get_ucx_address_from_buffer(address)
+    return await ucxx.create_endpoint_from_worker_address(worker_address)
+
+
 class UcxKVServer(KVTransferServer):
     """Serves pinned KV blocks over UCX; see the module docstring for the protocol."""
 
@@ -134,30 +216,57 @@ class UcxKVServer(KVTransferServer):
     ):
         super().__init__(source, layout, token, metrics, faults)
         self._ucxx = _require_ucxx(ucx_options)
-        self._listener: Any = None
-        self._endpoints: set[Any] = set()
+        self._rendezvous = framing.SocketListener(self._handshake)
+        self._endpoints: set[TaggedEndpoint] = set()
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
-        self._listener = self._ucxx.create_listener(self._serve_endpoint, 0)
+        port = self._rendezvous.start(host)  # bound to this worker's host only
         public = advertise_host or host
         shown = f"[{public}]" if ":" in public else public
-        return f"ucx://{shown}:{self._listener.port}"
+        return f"ucx://{shown}:{port}"
 
     async def stop(self) -> None:
         for ep in list(self._endpoints):
             _abort(ep)
-        for _ in range(100):  # let the handlers see their endpoints close (<= ~1 s)
-            if not self._endpoints:
-                break
-            await asyncio.sleep(0.01)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        await self._rendezvous.stop()  # ends every connection's handler
 
-    async def _serve_endpoint(self, ep: Any) -> None:
-        if len(self._endpoints) >= framing.MAX_CONNECTIONS:
-            _abort(ep)
+    async def _handshake(self, sock: socket.socket) -> None:
+        """A connection's life on the rendezvous socket: the hello (token first), an endpoint
+        per side, then requests until either side closes. The listener caps connections."""
+        loop = asyncio.get_running_loop()
+        try:
+            hello = await asyncio.wait_for(self._read_hello(loop, sock), HANDSHAKE_SECONDS)
+        except framing.ProtocolError as exc:
+            self._record_failure("protocol")
+            await loop.sock_sendall(sock, framing.error_reply("protocol", str(exc)))
             return
+        except TransferError as exc:  # refused: address and tags are never read
+            await loop.sock_sendall(sock, framing.error_reply(exc.reason, exc.detail))
+            return
+        address, send_tag, recv_tag = hello
+        ep = TaggedEndpoint(await _open_endpoint(self._ucxx, address), send_tag, recv_tag, sock)
+        own = bytes(self._ucxx.get_worker_address())
+        await loop.sock_sendall(sock, framing.encode_reply(framing.STATUS_OK, "", len(own)) + own)
+        await self._serve_endpoint(ep)
+
+    async def _read_hello(
+        self, loop: asyncio.AbstractEventLoop, sock: socket.socket
+    ) -> tuple[bytes, int, int]:
+        """(client's worker address, server->client tag, client->server tag) of a hello."""
+        magic, version, token_len, address_len = HELLO.unpack(
+            await framing.recv_exactly(loop, sock, HELLO.size)
+        )
+        if magic != HELLO_MAGIC or version != HELLO_VERSION:
+            raise framing.ProtocolError(f"bad hello magic={magic!r} version={version}")
+        if token_len > framing.MAX_TOKEN_LEN or address_len > MAX_WORKER_ADDRESS:
+            raise framing.ProtocolError("hello too large")
+        token = await framing.recv_exactly(loop, sock, token_len)
+        self.check_token(token.decode(errors="replace"))
+        address = await framing.recv_exactly(loop, sock, address_len)
+        to_server, to_client = TAGS.unpack(await framing.recv_exactly(loop, sock, TAGS.size))
+        return address, to_client, to_server
+
+    async def _serve_endpoint(self, ep: TaggedEndpoint) -> None:
         self._endpoints.add(ep)
         try:
             while await self._serve_one(ep):
@@ -201,7 +310,6 @@ class UcxKVServer(KVTransferServer):
             await ep.send(_payload(blocks))
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True
-
 
     async def _read_request(self, ep: Any) -> framing.Request:
         """Header and token, checked, then the rest (refused: the rest is never taken)."""
@@ -287,11 +395,34 @@ class UcxKVClient(KVTransferClient):
         self.connections.release((host, port), ep)
         return num, message
 
-    async def _connect(self, key: tuple[str, int], timeout: float) -> Any:
+    async def _connect(self, key: tuple[str, int], timeout: float) -> TaggedEndpoint:
+        """Hello on the server's rendezvous socket, then an endpoint to its worker."""
+        return await asyncio.wait_for(self._handshake(key), timeout)
+
+    async def _handshake(self, key: tuple[str, int]) -> TaggedEndpoint:
+        loop = asyncio.get_running_loop()
+        to_server, to_client = secrets.randbits(64), secrets.randbits(64)
+        own = bytes(self._ucxx.get_worker_address())
+        family = socket.AF_INET6 if ":" in key[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            return await self._ucxx.create_endpoint(key[0], key[1], connect_timeout=timeout)
-        except _UCXError as exc:
-            raise ConnectionRefusedError(f"UCX connect to {key} failed: {exc}") from exc
+            sock.setblocking(False)
+            await loop.sock_connect(sock, key)
+            await loop.sock_sendall(sock, _hello(self.token or "", own, (to_server, to_client)))
+            status, message, address_len = await framing.read_reply(loop, sock)
+            if status != framing.STATUS_OK:
+                raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
+            if address_len > MAX_WORKER_ADDRESS:
+                raise TransferError("protocol", f"worker address of {address_len} bytes")
+            address = await framing.recv_exactly(loop, sock, address_len)
+            try:
+                ep = await _open_endpoint(self._ucxx, address)
+            except _UCXError as exc:
+                raise ConnectionRefusedError(f"UCX connect to {key} failed: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        return TaggedEndpoint(ep, to_server, to_client, sock)
 
     async def close(self) -> None:
         self.connections.close_all()

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 import pytest
 import redis
 import torch
@@ -107,6 +108,26 @@ def test_kv_servers_bound_to_a_wildcard_advertise_the_given_host(
     advertised, plain = asyncio.run(addresses())
     assert parse_address(advertised, transport)[0] == "10.1.2.3"  # never dialled here
     assert parse_address(plain, transport)[0] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_kv_servers_listen_on_their_own_host_only(transport: str) -> None:
+    """The port a KV address names is bound to the worker's host, not every interface (ucx:
+    its rendezvous socket; ucxx's own listener, which binds every interface, is not used)."""
+    if transport not in kvtransfer.available_transports():
+        pytest.skip(f"KV transport {transport!r} cannot run on this machine")
+    kv = torch.zeros((2, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
+
+    async def listening() -> list[str]:
+        server = make_server(transport, TensorBlockSource(kv), LAYOUT)
+        try:
+            port = parse_address(await server.start("127.0.0.1"), transport)[1]
+            sockets = psutil.Process().net_connections(kind="inet")
+            return [c.laddr.ip for c in sockets if c.status == "LISTEN" and c.laddr.port == port]
+        finally:
+            await server.stop()
+
+    assert asyncio.run(listening()) == ["127.0.0.1"]
 
 
 def _host(address: str) -> str:
