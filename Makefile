@@ -7,7 +7,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean protos chaos
+.PHONY: setup up test lint bench clean protos chaos compose-secrets
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +44,17 @@ bench: setup
 # wrong request, a leaked KV block or an orphaned process. tests/test_chaos.py runs a short one.
 chaos: setup
 	$(PY) benchmarks/chaos.py --json-out benchmarks/results/chaos.json
+
+# docker-compose.yml's secrets: a random cluster token and Redis password, made once (kept if
+# present, so running containers keep matching them). The folder is the owner's only; the files
+# are world-readable because Compose bind-mounts them into containers that run as a non-root user.
+SECRETS_DIR ?= secrets
+compose-secrets:
+	@mkdir -p $(SECRETS_DIR) && chmod 700 $(SECRETS_DIR)
+	@for name in cluster-token redis-password; do \
+	  [ -s $(SECRETS_DIR)/$$name ] || (umask 022; python3 -c 'import secrets; print(secrets.token_hex(32), end="")' > $(SECRETS_DIR)/$$name); \
+	done
+	@echo "secrets in $(SECRETS_DIR)/: cluster-token, redis-password"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

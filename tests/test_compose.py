@@ -2,7 +2,8 @@
 
 1. The compose file is valid Compose: the Compose Specification's JSON schema (vendored in
    tests/data, see its README) and, when it is on PATH, ``docker-compose config -q``.
-2. The deployment rules hold: no host ports on workers (so pools scale), healthchecks, and
+2. The deployment rules hold: no host ports on workers (so pools scale), the cluster token and
+   Redis password from Compose secrets (Redis with ``requirepass``), healthchecks, and
    ``depends_on`` waiting for health, a stop grace period that covers the workers' drain, a
    ``gpu`` profile reserving NVIDIA devices, and an image whose ENTRYPOINT is ``pdserve``.
 3. The services' own ``command`` and ``environment`` form a working system: each one runs here
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -180,6 +182,27 @@ def test_workers_register_their_container_address_and_drain_before_sigkill() -> 
     assert router_env["PDSERVE_HOST"] == "0.0.0.0" and router_env["PDSERVE_PORT"] == "8000"
 
 
+def test_the_internal_plane_takes_its_token_and_redis_password_from_secrets() -> None:
+    """No token or password in the file or the environment: every pdserve service reads both
+    from Compose secrets, and Redis starts with ``requirepass`` from the same secret."""
+    document = load_compose({})
+    assert set(document["secrets"]) == {"cluster_token", "redis_password"}
+    for secret in document["secrets"].values():
+        assert secret["file"].startswith("./secrets/"), secret  # made by make compose-secrets
+    services = document["services"]
+    for name, service in services.items():
+        if name == "redis":
+            continue
+        env = environment(service)
+        assert set(service["secrets"]) == {"cluster_token", "redis_password"}, name
+        assert env["PDSERVE_CLUSTER_TOKEN_FILE"] == "/run/secrets/cluster_token", name
+        assert env["PDSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/redis_password", name
+        assert "PDSERVE_CLUSTER_TOKEN" not in env and "PDSERVE_INSECURE" not in env, name
+    redis_service = services["redis"]
+    assert redis_service["secrets"] == ["redis_password"]
+    assert '--requirepass "$(cat /run/secrets/redis_password)"' in redis_service["command"][-1]
+
+
 def test_gpu_profile_reserves_nvidia_devices() -> None:
     services = load_compose({})["services"]
     gpu = {name: s for name, s in services.items() if "gpu" in s.get("profiles", [])}
@@ -234,9 +257,15 @@ class ComposeAsProcesses:
     Threads, KV memory, transport, drain time, bind address 0.0.0.0: the compose values.
     """
 
-    def __init__(self, services: dict[str, Service], workdir: Path):
-        self.services = services
+    def __init__(self, document: dict[str, Any], workdir: Path):
+        self.services: dict[str, Service] = document["services"]
         self.workdir = workdir
+        # /run/secrets/<name> in a container: here a folder of fresh random secrets.
+        self.secrets_dir = workdir / "run-secrets"
+        self.secrets_dir.mkdir()
+        for name in document["secrets"]:
+            (self.secrets_dir / name).write_text(secrets.token_hex(16))
+        self.redis_password = (self.secrets_dir / "redis_password").read_text()
         self.redis_port = free_port()
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}"
         self.redis_proc: subprocess.Popen[bytes] | None = None
@@ -244,31 +273,37 @@ class ComposeAsProcesses:
         self.processes: dict[str, WorkerProcess] = {}
         self.envs: dict[str, dict[str, str]] = {}
 
+    def in_container(self, text: str) -> str:
+        """A string of the compose file with the container's paths mapped to this machine's."""
+        return text.replace("/run/secrets/", f"{self.secrets_dir}/")
+
     def start_redis(self) -> None:
         command = self.services["redis"]["command"]
-        assert command[0] == "redis-server"
-        argv = [find_redis_server(), *command[1:], "--port", str(self.redis_port)]
-        argv += ["--bind", "127.0.0.1"]
+        assert command[:2] == ["sh", "-c"] and command[2].startswith("exec redis-server ")
+        script = self.in_container(command[2]).replace("redis-server", find_redis_server(), 1)
+        script += f" --port {self.redis_port} --bind 127.0.0.1"
         self.redis_log = open(self.workdir / "redis.log", "wb")  # closed by stop()
         self.redis_proc = subprocess.Popen(
-            argv, cwd=self.workdir, stdout=self.redis_log, stderr=subprocess.STDOUT
+            ["sh", "-c", script], cwd=self.workdir, stdout=self.redis_log, stderr=subprocess.STDOUT
         )
-        client = redis.Redis(port=self.redis_port)
+        client = redis.Redis(port=self.redis_port, password=self.redis_password)
         deadline = time.monotonic() + 10
         while True:
             try:
                 if client.ping():
-                    return
+                    break
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.redis_proc.poll() is not None:
                     raise
             time.sleep(0.05)
+        with pytest.raises(redis.AuthenticationError):  # requirepass: no password, no registry
+            redis.Redis(port=self.redis_port).ping()
 
     def service_env(self, name: str) -> dict[str, str]:
         """The service's environment as the container would see it, hostnames mapped."""
         env = {}
         for key, value in environment(self.services[name]).items():
-            value = value.replace("redis://redis:6379", self.redis_url)
+            value = self.in_container(value.replace("redis://redis:6379", self.redis_url))
             for other in self.services:  # any other compose hostname would need mapping too
                 assert f"//{other}:" not in value, f"{name}: {key}={value} names {other}"
             env[key] = value
@@ -295,13 +330,14 @@ class ComposeAsProcesses:
     def healthcheck(self, name: str) -> subprocess.CompletedProcess[str]:
         """The service's healthcheck command, run with its environment as Docker would."""
         test = [str(part) for part in self.services[name]["healthcheck"]["test"]]
-        assert test[0] == "CMD", f"{name}: exec-form healthcheck expected, got {test[0]}"
+        assert test[0] in ("CMD", "CMD-SHELL"), f"{name}: unexpected healthcheck {test[0]}"
         argv = test[1:]
-        if argv[0] == "python":  # the image's python is the venv's: here this interpreter
-            argv[0] = sys.executable
-        elif argv[0] == "redis-cli":
+        if test[0] == "CMD-SHELL":  # Redis's: redis-cli with the secret password
             cli = str(Path(find_redis_server()).with_name("redis-cli"))
-            argv = [cli, "-p", str(self.redis_port), *argv[1:]]  # the free port, not 6379
+            script = self.in_container(argv[0]).replace("redis-cli", f"{cli} -p {self.redis_port}")
+            argv = ["sh", "-c", script]  # the free port, not 6379
+        elif argv[0] == "python":  # the image's python is the venv's: here this interpreter
+            argv[0] = sys.executable
         env = {**os.environ, **self.envs.get(name, {})}
         return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
 
@@ -332,7 +368,7 @@ class ComposeAsProcesses:
 
 @pytest.fixture
 def compose(tmp_path: Path) -> Iterator[ComposeAsProcesses]:
-    system = ComposeAsProcesses(load_compose({})["services"], tmp_path)
+    system = ComposeAsProcesses(load_compose({}), tmp_path)
     try:
         yield system
     except BaseException:
