@@ -249,6 +249,7 @@ class SocketListener:
         self.max_connections = max_connections
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._conns: set[socket.socket] = set()
         self.num_connections = 0
         self.num_refused = 0  # connections closed at accept: the server held its maximum
 
@@ -264,6 +265,14 @@ class SocketListener:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        # Shutting the sockets down, not only cancelling: before Python 3.12, wait_for drops a
+        # cancel that lands as its read completes, and the handler would serve on (and stop()
+        # wait). Shutdown wakes every pending read with EOF; each handler then closes its own.
+        for conn in list(self._conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already disconnected
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -285,11 +294,13 @@ class SocketListener:
                 self.num_refused += 1
                 conn.close()
                 continue
+            # Counted at accept: a burst accepted before any handler runs must see the cap.
+            self.num_connections += 1
+            self._conns.add(conn)
             tune_socket(conn)
             self._spawn(self._serve(conn))
 
     async def _serve(self, conn: socket.socket) -> None:
-        self.num_connections += 1
         try:
             await self._handler(conn)
         except (ConnectionError, OSError):
@@ -300,4 +311,5 @@ class SocketListener:
             logger.exception("KV transfer connection handler failed")
         finally:
             self.num_connections -= 1
+            self._conns.discard(conn)
             conn.close()

@@ -109,7 +109,8 @@ class ShmKVClient(TcpKVClient):
         self, token: str | None = None, device: str = "cpu", metrics: TransferMetrics | None = None
     ):
         super().__init__(token, device, metrics)
-        self._mappings: OrderedDict[str, torch.Tensor] = OrderedDict()  # bounded, LRU
+        # path -> (file identity, mapping); bounded, least recently used first out
+        self._mappings: OrderedDict[str, tuple[tuple[int, int], torch.Tensor]] = OrderedDict()
 
     async def _pull_into(
         self,
@@ -151,23 +152,42 @@ class ShmKVClient(TcpKVClient):
         return num, message
 
     def _map(self, path: str, out: torch.Tensor) -> torch.Tensor:
-        """The mapping of ``path`` (kept for the last few peers; one whose file is gone, a
-        prefill worker that stopped, is dropped)."""
-        mapping = self._mappings.get(path)
-        if mapping is not None and not os.path.exists(path):
-            del self._mappings[path]
-            mapping = None
-        if mapping is None:
+        """The mapping of ``path`` (kept for the last few peers). Mappings whose file is gone
+        or was replaced (a prefill worker that stopped, or restarted at the same path) are
+        dropped first: each holds a whole KV cache in RAM until unmapped."""
+        self._drop_stale_mappings()
+        entry = self._mappings.get(path)
+        if entry is None:
+            try:
+                identity, size = _file_identity(path), os.path.getsize(path)
+            except OSError:
+                identity, size = None, 0
             layout_shape = tuple(out.shape[1:])
-            size = os.path.getsize(path) if os.path.exists(path) else 0
             itemsize = out.element_size()
             per_block = int(torch.Size(layout_shape).numel()) * itemsize
+            if identity is None:  # the peer stopped, or runs on another host
+                raise TransferError("connection_lost", f"{path} is not reachable from this host")
             if not size or size % per_block:
-                raise TransferError("unsupported", f"{path} is not reachable from this host")
+                raise TransferError("size_mismatch", f"{path} does not hold whole KV blocks")
             flat = torch.from_file(path, shared=True, size=size // itemsize, dtype=out.dtype)
-            mapping = flat.view(-1, *layout_shape)
-            self._mappings[path] = mapping
+            entry = (identity, flat.view(-1, *layout_shape))
+            self._mappings[path] = entry
             while len(self._mappings) > MAX_MAPPINGS:
                 self._mappings.popitem(last=False)
         self._mappings.move_to_end(path)
-        return mapping
+        return entry[1]
+
+    def _drop_stale_mappings(self) -> None:
+        for path, (identity, _) in list(self._mappings.items()):
+            try:
+                current = _file_identity(path)
+            except OSError:
+                current = None
+            if current != identity:
+                del self._mappings[path]
+
+
+def _file_identity(path: str) -> tuple[int, int]:
+    """(device, inode): a file replaced at the same path is another file."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino

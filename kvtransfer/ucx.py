@@ -83,6 +83,7 @@ HELLO_MAGIC, HELLO_VERSION = b"PDUX", 1
 TAGS = struct.Struct("<QQ")
 MAX_WORKER_ADDRESS = 1 << 16
 HANDSHAKE_SECONDS = 5.0
+LOST_GRACE_SECONDS = 0.25
 
 
 def ucx_import_error() -> str | None:
@@ -182,6 +183,10 @@ class TaggedEndpoint:
             raise
         finally:
             lost.cancel()
+        if not work.done():
+            # The close can overtake the peer's last UCX message, which takes another path:
+            # what it sent before closing gets a moment to arrive.
+            await asyncio.wait({work}, timeout=LOST_GRACE_SECONDS)
         if not work.done():
             work.cancel()
             raise ConnectionResetError("the peer closed the connection")
