@@ -50,10 +50,11 @@ class PrefillClient:
                 return False
         return True
 
-    async def renew_lease(self, handle: pb.KVHandle) -> bool:
-        """Extend the handle's lease; False when the blocks are gone or the call failed."""
+    async def renew_lease(self, handle: pb.KVHandle) -> int | None:
+        """Extend the handle's lease: its new expiry (unix ms), or None when the blocks are
+        gone or the call failed."""
         if not handle.release_address:
-            return False
+            return None
         with self.channels.using(handle.release_address) as channel:
             try:
                 answer = await pb_grpc.PrefillServiceStub(channel).RenewLease(
@@ -63,5 +64,5 @@ class PrefillClient:
                 )
             except grpc.aio.AioRpcError as exc:
                 log.info("RenewLease of %s failed (%s)", handle.request_id, exc.code().name)
-                return False
-        return bool(answer.renewed)
+                return None
+        return int(answer.lease_expires_unix_ms) if answer.renewed else None

@@ -7,9 +7,12 @@ worker with small pools, the router), driven over real HTTP:
 - logprobs stay aligned with their tokens when the client reads slowly;
 - a streaming client that leaves before its first token cancels the prefill;
 - a decode pool too full to take a pull keeps the prefill worker's lease alive meanwhile, so no
-  prefill is thrown away and recomputed (the prefill workers' leases are 1 s here);
-- one prefill worker killed does not take the system down while the other serves; the last one
-  gone, `up` stops with a message naming the empty pool.
+  prefill is thrown away and recomputed (the prefill workers' leases are 1 s here, as long as
+  the decode worker's renew interval: it must renew by the lease in the handle, not its own
+  clock; every component traces to one file, to see the waits);
+- one prefill worker killed while requests are in flight does not take the system down: the
+  router moves what it was computing to the other one; the last one gone, `up` stops with a
+  message naming the empty pool.
 
 Every test ends with the workers holding no KV blocks.
 """
@@ -28,6 +31,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -40,11 +44,24 @@ ARGS = ["--port", "0", "--prefill", "2", "--decode", "1", "--threads", "1"]
 ARGS += ["--num-blocks", "48", "--max-num-batched-tokens", "64", "--disaggregation", "always"]
 
 
+LEASE_SECONDS = 1.0
+LEASE_RENEW_SECONDS = 1.0  # the default: renewals must follow the lease, not this interval
+
+
 @pytest.fixture(scope="module")
-def up() -> Iterator[Up]:
-    env = {**os.environ, "PDSERVE_LEASE_SECONDS": "1"}
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("traces") / "spans.jsonl"
+
+
+@pytest.fixture(scope="module")
+def up(trace_file: Path) -> Iterator[Up]:
+    env = {
+        **os.environ,
+        "PDSERVE_LEASE_SECONDS": str(LEASE_SECONDS),
+        "PDSERVE_LEASE_RENEW_SECONDS": str(LEASE_RENEW_SECONDS),
+    }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.cli", "up", *ARGS],
+        [sys.executable, "-m", "pdserve.cli", "up", *ARGS, "--trace-file", str(trace_file)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -72,15 +89,33 @@ def metrics_port(up: Up, name: str) -> int:
     return int(up.find(rf"^  {name} +pid \d+ .*metrics :(\d+)"))
 
 
-def worker_metric(up: Up, name: str, metric: str, labels: str = "") -> float:
-    text = (
-        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port(up, name)}/metrics", timeout=10)
-        .read()
-        .decode()
-    )
+def scrape(address: str) -> str:
+    return urllib.request.urlopen(address + "/metrics", timeout=10).read().decode()
+
+
+def sample(text: str, metric: str, labels: str = "", required: bool = False) -> float:
+    """One sample of a Prometheus text page (0 when absent, unless ``required``)."""
     pattern = re.escape(metric) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)"
     match = re.search("^" + pattern + "$", text, re.MULTILINE)
+    assert match or not required, f"{metric} {labels} is not exported"
     return float(match.group(1)) if match else 0.0
+
+
+def worker_metric(
+    up: Up, name: str, metric: str, labels: str = "", required: bool = False
+) -> float:
+    return sample(scrape(f"http://127.0.0.1:{metrics_port(up, name)}"), metric, labels, required)
+
+
+def router_metric(up: Up, metric: str, labels: str = "") -> float:
+    return sample(scrape(url(up)), metric, labels)
+
+
+def retries(up: Up, pool: str = "") -> float:
+    """Calls the router moved to another worker or asked again, of ``pool`` (all: "")."""
+    labels = rf'pool="{pool}",.*' if pool else ".*"
+    pattern = rf"^pdserve_router_retries_total\{{{labels}\}} (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, scrape(url(up)), re.M))
 
 
 def no_blocks_in_use(
@@ -183,29 +218,115 @@ def test_a_client_leaving_before_the_first_token_cancels_the_prefill(up: Up) -> 
     assert no_blocks_in_use(up)
 
 
-def test_a_full_decode_pool_keeps_the_prefill_lease_alive(up: Up) -> None:
-    """48 decode blocks hold 2-3 of these requests at once; the others wait longer than the
-    prefill workers' 1 s lease for room, renewing it, and still pull their KV."""
-    recomputed = worker_metric(up, "decode-0", "pdserve_kv_pulls_total", 'outcome="recomputed"')
-    prompt = "Write a long story about a robot who learns to cook. " * 12  # ~145 tokens
+def spans(trace_file: Path, name: str, trace_ids: set[str], count: int) -> list[dict]:
+    """The ``count`` spans called ``name`` of these traces, once every component exported them."""
+    found: list[dict] = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lines = trace_file.read_text().splitlines() if trace_file.exists() else []
+        records = [json.loads(line) for line in lines if line]
+        found = [r for r in records if r["name"] == name and r["trace_id"] in trace_ids]
+        if len(found) >= count:
+            break
+        time.sleep(0.5)
+    return found
+
+
+def lease_counters(up: Up) -> dict[str, float]:
+    """What would show a lease lost or a prefill thrown away, and the pulls that went well."""
+    counters = {
+        f"{p} lease expirations": worker_metric(
+            up, p, "pdserve_lease_expirations_total", required=True
+        )
+        for p in ("prefill-0", "prefill-1")
+    }
+    for outcome in ("pulled", "recomputed", "failed"):
+        value = worker_metric(up, "decode-0", "pdserve_kv_pulls_total", f'outcome="{outcome}"')
+        counters[f"decode {outcome}"] = value
+    for source in ("pulled", "recomputed"):
+        labels = f'source="{source}"'
+        counters[f"router {source}"] = router_metric(up, "pdserve_router_kv_sources_total", labels)
+    counters["router retries"] = retries(up)
+    return counters
+
+
+def test_a_full_decode_pool_keeps_the_prefill_lease_alive(up: Up, trace_file: Path) -> None:
+    """Six prompts that share no prefix, 64 tokens each: 48 decode blocks take at most four at
+    once, so some wait for room (their decode.reserve spans) longer than the prefill workers'
+    1 s lease, which the decode worker renews meanwhile. Every request still pulls its KV: no
+    lease runs out, nothing is recomputed or fails, no call is retried."""
+    before = lease_counters(up)
+    # ~145 tokens each, different from the first block on: no prefix is shared in the decode
+    # worker's cache, so each takes 10 blocks of its own, 14 once its tokens are generated
+    prompts = [
+        f"Story {i}: " + "Write a long story about a robot who learns to cook. " * 12
+        for i in range(6)
+    ]
     with ThreadPoolExecutor(6) as pool:
         answers = list(
-            pool.map(
-                lambda i: complete(up, prompt=prompt + str(i), max_tokens=64, ignore_eos=True),
-                range(6),
-            )
+            pool.map(lambda p: complete(up, prompt=p, max_tokens=64, ignore_eos=True), prompts)
         )
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
-    assert all(a.json()["usage"]["completion_tokens"] == 64 for a in answers)
-    after = worker_metric(up, "decode-0", "pdserve_kv_pulls_total", 'outcome="recomputed"')
-    assert after == recomputed, "a prefill was thrown away while the decode pool was full"
+    trace_ids = {a.headers["x-pdserve-trace-id"] for a in answers}
+    waits = spans(trace_file, "decode.reserve", trace_ids, 6)
+    waited = sorted(round(s["duration_ms"]) for s in waits)
+    after = lease_counters(up)
+    shown = f"waits for room (ms): {waited}; counters before {before}, after {after}"
+    assert len(waits) == 6, shown
+    assert waited[-1] > 1500 * LEASE_SECONDS, shown  # a wait the lease alone would not survive
+    usages = [a.json()["usage"] for a in answers]
+    assert all(u["completion_tokens"] == 64 for u in usages)
+    sources = [t["kv_source"] for u in usages for t in u["pdserve_timings"]]
+    assert sources == ["pulled"] * 6, shown
+    pulled = {key: before[key] + 6 for key in ("decode pulled", "router pulled")}
+    assert after == {**before, **pulled}, shown
     assert no_blocks_in_use(up)
 
 
 def test_one_dead_prefill_worker_does_not_stop_the_system(up: Up) -> None:
-    """Runs last: it kills the prefill workers."""
+    """Runs last: it kills the prefill workers. prefill-0 is killed while 16 requests are in
+    flight, some being computed there, two or more computed there and waiting for room on the
+    decode worker. Every request completes: the router moves the prefills that died to
+    prefill-1 (retries), and the decode worker computes itself the prompts whose KV it can no
+    longer pull (kv_source "recomputed"). Requests sent afterwards are served too; with
+    prefill-1 killed as well, `up` stops with a message naming the empty pool."""
     pids = up.summary_pids
-    os.kill(pids["prefill-0"], signal.SIGKILL)
+    finished = worker_metric(up, "prefill-0", "pdserve_requests_total", 'outcome="pinned"')
+    recomputed = router_metric(up, "pdserve_router_kv_sources_total", 'source="recomputed"')
+    moved = retries(up, "prefill")
+    # ~200 tokens each (13 blocks: a worker holds 3 of them), none sharing a prefix; 128 tokens
+    # to generate keep the decode worker full (2-3 at a time), so computed prompts wait
+    prompts = [f"Request {i}: " + "Tell me about the history of Paris. " * 24 for i in range(16)]
+
+    def handed_over_and_busy() -> bool:
+        """prefill-0 holds two computed prompts the decode worker has no room for yet, and
+        computes another one."""
+        done = worker_metric(up, "prefill-0", "pdserve_requests_total", 'outcome="pinned"')
+        held = worker_metric(up, "prefill-0", "pdserve_pinned_requests")
+        busy = worker_metric(up, "prefill-0", "pdserve_num_running")
+        full = worker_metric(up, "decode-0", "pdserve_num_waiting")
+        return done >= finished + 2 and held >= 2 and busy >= 1 and full >= 1
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [
+            pool.submit(complete, up, prompt=p, max_tokens=128, ignore_eos=True) for p in prompts
+        ]
+        deadline = time.monotonic() + 90
+        while not handed_over_and_busy():
+            assert time.monotonic() < deadline, "prefill-0 never held prompts while busy"
+            time.sleep(0.02)
+        in_flight = sum(not f.done() for f in futures)
+        os.kill(pids["prefill-0"], signal.SIGKILL)
+        answers = [f.result() for f in futures]
+    failed = [(i, a.status_code, a.text) for i, a in enumerate(answers) if a.status_code != 200]
+    assert not failed, f"{len(failed)} of the {in_flight} requests in flight failed: {failed}"
+    assert in_flight >= 12, f"only {in_flight} requests were in flight when prefill-0 died"
+    for answer in answers:
+        choice, usage = answer.json()["choices"][0], answer.json()["usage"]
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 128
+    assert retries(up, "prefill") > moved, "no prefill was moved off prefill-0"
+    again = router_metric(up, "pdserve_router_kv_sources_total", 'source="recomputed"')
+    assert again > recomputed, "no computed prompt of prefill-0 was waiting for the decode worker"
     up.wait_for(r"(prefill-0 .*killed by SIGKILL.*)", timeout=30)
     for _ in range(4):
         assert complete(up, max_tokens=4).status_code == 200

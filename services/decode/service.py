@@ -258,15 +258,26 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
     async def _admitted(self, rid: str, handle: pb.KVHandle) -> PullPlan | None:
         """The plan once the scheduler admits the request (backpressure, not failure). While it
         waits the prefill worker's lease is renewed, so a full pool delays the pull instead of
-        losing the prefill; None when the lease could not be renewed (the blocks are gone)."""
-        interval = max(0.05, self.config.lease_renew_seconds)
+        losing the prefill; None when the lease could not be renewed (the blocks are gone).
+        Renewals come every ``--lease-renew-seconds``, sooner when the lease has less than twice
+        that left (the prefill worker's ``--lease-seconds`` may be the shorter)."""
+        expires_ms = handle.lease_expires_unix_ms
         while True:
             try:
-                return await self.engine.pull_plan(rid, timeout=interval)
+                return await self.engine.pull_plan(rid, timeout=self._renew_in(expires_ms))
             except asyncio.TimeoutError:
-                if not await self.prefill_client.renew_lease(handle):
+                renewed = await self.prefill_client.renew_lease(handle)
+                if renewed is None:
                     log.warning("lease of %s not renewed; computing here", rid)
                     return None
+                expires_ms = renewed
+
+    def _renew_in(self, expires_unix_ms: int) -> float:
+        """Seconds to the next renewal: at half the lease left, at most the renew interval."""
+        interval = self.config.lease_renew_seconds
+        if expires_unix_ms:
+            interval = min(interval, (expires_unix_ms / 1000 - time.time()) / 2)
+        return max(0.05, interval)
 
     async def _pull(
         self,
