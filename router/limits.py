@@ -79,8 +79,9 @@ def check_fan_out(config: RouterConfig, num_prompts: int, n: int) -> None:
         (config.max_concurrency, "--max-concurrency"),
     ):
         if num_prompts * n > limit:  # over --max-concurrency, it could never run
+            param = "n" if n > 1 else "prompt"  # the field that made it wide
             raise refuse(
-                "the number of sub-requests (prompts x n)", num_prompts * n, limit, flag, "n"
+                "the number of sub-requests (prompts x n)", num_prompts * n, limit, flag, param
             )
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from pdserve.supervisor import Backoff, Supervisor
 
@@ -141,6 +142,7 @@ def test_up_serves_a_chat_completion_then_stops_cleanly(sig: int, extra: list[st
         for name in ["redis", *roles]:
             assert re.search(rf"^\[{name}\] ", logs, re.MULTILINE), logs
         assert "curl " + url + "/v1/chat/completions" in up.output
+        assert_redis_requires_the_password(up, roles)
 
         key = API_KEY if extra else "unused"
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
@@ -163,6 +165,40 @@ def test_up_serves_a_chat_completion_then_stops_cleanly(sig: int, extra: list[st
     finally:
         code = stop(up, sig)
     assert_stopped_cleanly(up, code, pids, url)
+
+
+def assert_redis_requires_the_password(up: Up, workers: list[str]) -> None:
+    """Redis, at the address the summary prints (without a password), refuses a client with no
+    password or a wrong one; the password every component got by environment (never in its
+    command line or up's output) opens it, and the registry there holds the workers."""
+    address = up.find(r"^  redis +pid \d+ +(redis://\S+)$")
+    assert re.fullmatch(r"redis://127\.0\.0\.1:\d+/0", address), address
+    with redis.Redis.from_url(address, socket_timeout=5) as anonymous:
+        with pytest.raises(redis.AuthenticationError, match="(?i)auth"):
+            anonymous.ping()
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.keys("*")
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(address, password="wrong", socket_timeout=5).ping()
+    passwords = set()
+    for name in ["router", *workers]:
+        pid = up.summary_pids[name]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        given = [v for v in environ if v.startswith(b"PDSERVE_REDIS_PASSWORD=")]
+        assert len(given) == 1, f"{name} got no Redis password by environment"
+        password = given[0].partition(b"=")[2].decode()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        assert "--redis-password" not in cmdline and password not in cmdline, name
+        passwords.add(password)
+    assert len(passwords) == 1, "the components got different Redis passwords"
+    password = passwords.pop()
+    assert len(password) >= 32 and password not in up.output
+    redis_cmdline = Path(f"/proc/{up.summary_pids['redis']}/cmdline").read_bytes().decode()
+    assert password not in redis_cmdline  # requirepass is in its config file
+    with redis.Redis.from_url(address, password=password, socket_timeout=5) as client:
+        assert client.ping()
+        registered = sorted(client.smembers("pdserve:workers"))  # type: ignore[arg-type]
+    assert len(registered) == len(workers), registered
 
 
 def ask(client: openai.OpenAI, model: str) -> str:

@@ -5,8 +5,9 @@ with the right status: 400 naming the bad field, 401 for a missing or wrong key,
 unknown model or route, 413 for a body or prompt too large, 429/503 with Retry-After. The
 official ``openai`` client raises the matching exception classes.
 
-One cluster (1 prefill + 1 decode) serves the whole module, with three routers on its prefix
-(the table's, one with ``--api-key``, one with ``--max-concurrency 1``) and one router on a
+One cluster (1 prefill + 1 decode) serves the whole module, with four routers on its prefix
+(the table's, one with ``--api-key``, one with ``--max-concurrency 1``, one with
+``--max-concurrency 4``) and one router on a
 prefix without workers (503s, and the fuzz test, whose valid bodies end in a cheap 503). A
 second, smaller fuzz test sends valid one-token requests with fuzzed sampling fields to the real
 workers. Afterwards the workers must hold no KV blocks.
@@ -58,6 +59,7 @@ class Stack:
     main: Router  # --max-model-len 64 --max-body-bytes 4096
     key: Router  # --api-key
     one: Router  # --max-concurrency 1
+    four: Router  # --max-concurrency 4
     empty: Router  # a prefix without workers (same flags as main)
 
     def router(self, name: str) -> Router:
@@ -76,11 +78,12 @@ def stack(redis_server) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
             main=spawn_router(c, *TABLE_FLAGS),
             key=spawn_router(c, "--api-key", API_KEY),
             one=spawn_router(c, "--max-concurrency", "1"),
+            four=spawn_router(c, "--max-concurrency", "4"),
             empty=spawn_router(nobody, *TABLE_FLAGS),
         )
         for process in [*c.workers, *c.routers, *nobody.routers]:
             process.wait_ready()
-        for router in (s.main, s.one):
+        for router in (s.main, s.one, s.four):
             router.wait_ready(num_workers=2)
         s.key.wait_ready()  # its /v1/workers needs the key; /ready does not
         yield s
@@ -476,6 +479,89 @@ def test_429_when_concurrency_bound_is_full(stack: Stack, http: httpx.Client) ->
     assert wait_until(served, timeout=10), "the slot never came back"
 
 
+IN_FLIGHT = "pdserve_router_requests_in_flight"
+# (path, body, sub-requests): each takes one slot per prompt x n
+FAN_OUTS = [
+    ("/v1/completions", completion(n=3), 3),
+    ("/v1/completions", completion(n=3, stream=True), 3),
+    ("/v1/completions", completion(prompt=["Hello", "Hi", "Hey"]), 3),
+    ("/v1/completions", completion(prompt=["Hello", "Hi"], n=2, stream=True), 4),
+    (CHAT_PATH, chat(n=3), 3),
+]
+
+
+def test_a_fan_out_takes_one_slot_per_sub_request(stack: Stack, http: httpx.Client) -> None:
+    """With --max-concurrency 4 and a streaming n=2 request holding 2 slots, requests with 3 or 4
+    sub-requests (n=3, three prompts, 2 prompts x n=2; streamed or not, completions or chat) get
+    a 429 naming the 2 in flight and the slots they need, and take none; n=2 (exactly the 2
+    left) is served; every slot comes back afterwards."""
+    router = stack.four
+    holding = completion(max_tokens=300, ignore_eos=True, stream=True, n=2)
+    with httpx.Client(timeout=60) as holder:
+        with holder.stream("POST", router.url + "/v1/completions", json=holding) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the connection
+            assert next(lines).startswith("data: ")
+            assert router.metric(IN_FLIGHT) == 2
+            for path, body, needs in FAN_OUTS:
+                response = http.post(router.url + path, json=body)
+                assert response.status_code == 429, (body, response.text)
+                assert int(response.headers["retry-after"]) >= 1
+                error = assert_openai_error(response)
+                assert error == {
+                    "message": f"the router has 2 sub-requests in flight and this request needs "
+                    f"{needs} more; its limit is 4: retry later",
+                    "type": "rate_limit_error",
+                    "param": None,
+                    "code": None,
+                }, body
+                assert router.metric(IN_FLIGHT) == 2, "a refused request kept slots"
+            fits = http.post(router.url + "/v1/completions", json=completion(n=2))
+            assert fits.status_code == 200, fits.text
+            assert len(fits.json()["choices"]) == 2
+            more = [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]
+            assert more and all('"error"' not in line for line in more), more
+    assert wait_until(lambda: router.metric(IN_FLIGHT) == 0, timeout=10), router.metric(IN_FLIGHT)
+    four = http.post(router.url + "/v1/completions", json=completion(prompt=["Hello", "Hi"], n=2))
+    assert four.status_code == 200, four.text  # all 4 slots, once free
+    assert len(four.json()["choices"]) == 4
+
+
+# (router, path, body, sub-requests, the router's --max-concurrency)
+# fmt: off
+TOO_WIDE = [
+    pytest.param("four", "/v1/completions", completion(n=5), 5, 4, id="n-5"),
+    pytest.param("four", "/v1/completions", completion(n=5, stream=True), 5, 4, id="n-5-stream"),
+    pytest.param("four", "/v1/completions", completion(prompt=["a", "b", "c"], n=2), 6, 4,
+                 id="3-prompts-x-n-2"),
+    pytest.param("four", "/v1/completions", completion(prompt=["a"] * 5), 5, 4, id="5-prompts"),
+    pytest.param("four", CHAT_PATH, chat(n=5), 5, 4, id="chat-n-5"),
+    pytest.param("one", "/v1/completions", completion(n=2), 2, 1, id="n-2-one-slot"),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("router", "path", "body", "count", "limit"), TOO_WIDE)
+def test_a_fan_out_wider_than_every_slot_is_a_400(
+    stack: Stack, http: httpx.Client, router: str, path: str, body: Any, count: int, limit: int
+) -> None:
+    """A request with more sub-requests than --max-concurrency could never be admitted: an idle
+    router refuses it at once with a 400 naming the count, the limit and the flag (not a 429
+    that a client would retry forever)."""
+    target = stack.router(router)
+    assert wait_until(lambda: target.metric(IN_FLIGHT) == 0, timeout=10)
+    response = http.post(target.url + path, json=body)
+    assert response.status_code == 400, response.text
+    assert "retry-after" not in response.headers
+    assert assert_openai_error(response) == {
+        "message": f"the number of sub-requests (prompts x n) is {count}, over this server's "
+        f"limit of {limit} (--max-concurrency)",
+        "type": "invalid_request_error",
+        "param": "n" if body.get("n", 1) > 1 else "prompt",
+        "code": "request_too_large",
+    }
+
+
 # -- the fuzz tests -----------------------------------------------------------------------------
 
 # Strings with what JSON can carry and tokenizers and protobuf may choke on: lone surrogates
@@ -806,5 +892,5 @@ def test_workers_hold_no_kv_blocks(stack: Stack) -> None:
         assert wait_until(lambda w=worker: blocks_in_use(w) == 0, timeout=10), (
             f"{worker.role} holds {blocks_in_use(worker)} KV blocks"
         )
-    for router in (stack.main, stack.key, stack.one, stack.empty):
+    for router in (stack.main, stack.key, stack.one, stack.four, stack.empty):
         assert router.process.is_alive(), router.process.output_tail()
