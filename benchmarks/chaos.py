@@ -479,6 +479,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if config.json_out:  # made now: a 5-minute soak must not end unable to save its report
+        Path(config.json_out).parent.mkdir(parents=True, exist_ok=True)
     marker = uuid.uuid4().hex
     log_path = Path(config.log_file or tempfile.mkstemp(prefix="chaos-up-", suffix=".log")[1])
     up = UpProcess(config, marker, log_path)
