@@ -3,9 +3,12 @@ real KV transports on loopback. Block counts are read from each worker's real /m
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -15,9 +18,11 @@ from common.wire import params_to_proto
 from pdserve import SamplingParams
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from services.worker.launcher import WorkerProcess
 from tests.conftest import PROMPTS
 from tests.services.workers import (
     AUTH,
+    Result,
     colocated,
     disaggregated,
     metric,
@@ -97,6 +102,61 @@ def test_streamed_kv_from_a_chunked_prefill_equals_offline(redis_server, llm, to
         assert len(result.handle.block_ids) == -(-len(ids) // 16)
         assert wait_until(lambda: used_blocks(p) == 0 == used_blocks(d), 5)
         assert metric(d, "pdserve_kv_pulls_total", 'outcome="pulled"') == 1
+
+
+def scrape(worker: WorkerProcess) -> dict[str, float]:
+    """Every sample of one /metrics scrape, by name with labels: one snapshot of the engine."""
+    url = f"http://127.0.0.1:{worker.info['metrics_port']}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    lines = (line.rpartition(" ") for line in text.splitlines() if not line.startswith("#"))
+    return {name: float(value) for name, _, value in lines if name}
+
+
+def test_pulled_requests_respect_the_decode_workers_max_num_seqs(redis_server, tokenizer, expected):
+    """Six disaggregated requests at once on a decode worker with --max-num-seqs 2: its /metrics,
+    polled meanwhile, never show more than 2 running, yet show 2 running while others wait for
+    room; every request is pulled and gives the offline tokens; no block leaks."""
+    limit = 2
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)  # long enough to overlap
+    ids = [tokenizer.encode(prompt) for prompt in PROMPTS[:6]]
+    base = ["--redis-url", redis_server.url, "--redis-prefix", "max-seqs:"]
+    decode = [*base, "--max-num-seqs", str(limit)]
+    with running([("prefill", base), ("decode", decode)]) as (p, d):
+        samples: list[dict[str, float]] = []
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                samples.append(scrape(d))
+                stop.wait(0.02)
+
+        async def all_at_once() -> list[Result]:
+            p_address, d_address = p.info["grpc_address"], d.info["grpc_address"]
+            calls = [
+                disaggregated(p_address, d_address, f"max-seqs-{i}", prompt, params)
+                for i, prompt in enumerate(ids)
+            ]
+            return list(await asyncio.gather(*calls))
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            results = run(all_at_once())
+        finally:
+            stop.set()
+            poller.join(timeout=10)
+        running_seqs = [s["pdserve_num_running"] for s in samples]
+        present = [s["pdserve_num_running"] + s["pdserve_num_waiting"] for s in samples]
+        print(f"{len(samples)} samples: running <= {max(running_seqs)}, +waiting <= {max(present)}")
+        assert max(running_seqs) == limit  # reached, never passed
+        assert max(present) > limit  # the limit held requests back
+        for result in results:
+            assert result.kv_source == "pulled" and result.finish_reason == "length"
+            assert len(result.token_ids) == params.max_tokens
+        for result, offline in zip(results, expected):  # greedy: ignore_eos changes no prefix
+            assert result.token_ids[: len(offline)] == offline
+        assert metric(d, "pdserve_kv_pulls_total", 'outcome="pulled"') == len(ids)
+        assert wait_until(lambda: used_blocks(p) == 0 == used_blocks(d), 5)
 
 
 @pytest.fixture(scope="module")
