@@ -247,6 +247,9 @@ class KVTransferServer(_Endpoint, abc.ABC):
         metrics: TransferMetrics | None = None,
         faults: KVFaults | None = None,
     ):
+        """The arguments every transport takes. A transport's own options (tcp's
+        ``chunk_bytes``, shm's ``path`` ...) are keywords of its constructor, which passes these
+        on untouched: they are declared once, here."""
         super().__init__(metrics)
         self.source = source
         self.layout = layout
@@ -356,6 +359,38 @@ class KVTransferServer(_Endpoint, abc.ABC):
         return kind
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: no element-wise comparison of ``out``
+class PullRequest:
+    """One pull as :meth:`KVTransferClient.pull` hands it to a transport's ``_pull_into``:
+    the blocks ``block_ids`` of ``request_id`` at ``address``, received into ``out`` (contiguous,
+    ``[len(block_ids), *block_shape]``) within ``timeout`` seconds. ``streamed``: one part of a
+    streamed pull, answered with the leading blocks computed so far (maybe none)."""
+
+    address: str
+    request_id: str
+    block_ids: list[int]
+    out: torch.Tensor
+    timeout: float
+    streamed: bool = False
+
+    @property
+    def bytes_per_block(self) -> int:
+        """What the request frame announces, and the server checks against its layout."""
+        return bytes_per_row(self.out)
+
+    def announced_blocks(self, payload_len: int) -> int:
+        """The number of blocks a server's OK reply announces as ``payload_len`` bytes: exactly
+        ``out``'s for a plain pull, whole blocks up to that for a streamed part; TransferError
+        size_mismatch otherwise (the payload would not fit ``out``, or ends mid-block)."""
+        per_block, expected = self.bytes_per_block, self.out.numel() * self.out.element_size()
+        whole = per_block and payload_len % per_block == 0
+        if payload_len == expected or (self.streamed and whole and payload_len <= expected):
+            return payload_len // per_block if per_block else 0
+        raise TransferError(
+            "size_mismatch", f"server announced {payload_len} bytes, expected {expected}"
+        )
+
+
 class KVTransferClient(_Endpoint, abc.ABC):
     """Pulls blocks from servers; one client serves all of a decode worker's pulls.
 
@@ -370,6 +405,9 @@ class KVTransferClient(_Endpoint, abc.ABC):
         device: str = "cpu",
         metrics: TransferMetrics | None = None,
     ):
+        """The arguments every transport takes; as for servers, a transport's own options
+        (ucx's ``ucx_options``, the pooled transports' ``max_idle_per_server``) are keywords of
+        its constructor, which passes these on untouched."""
         super().__init__(metrics)
         self.token = token
         self.device = torch.device(device)
@@ -391,7 +429,7 @@ class KVTransferClient(_Endpoint, abc.ABC):
         failure its contents are undefined: they are never returned as a result.
         """
         out = self._output(layout, len(block_ids), out)
-        await self._exchange(address, request_id, block_ids, out, timeout, streamed=False)
+        await self._exchange(PullRequest(address, request_id, block_ids, out, timeout))
         return out
 
     async def pull_streamed(
@@ -412,9 +450,10 @@ class KVTransferClient(_Endpoint, abc.ABC):
         while result.num_blocks < len(block_ids) or result.final is None:
             got = result.num_blocks
             part_start = time.perf_counter()
-            num, message = await self._exchange(
+            part = PullRequest(
                 address, request_id, block_ids[got:], out[got:], timeout, streamed=True
             )
+            num, message = await self._exchange(part)
             reply = json.loads(message or "{}")
             try:
                 verify_checksums(out[got : got + num], reply.get("checksums", []))
@@ -429,38 +468,29 @@ class KVTransferClient(_Endpoint, abc.ABC):
         result.seconds = time.perf_counter() - start
         return result
 
-    async def _exchange(
-        self,
-        address: str,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool,
-    ) -> tuple[int, str]:
+    async def _exchange(self, pull: PullRequest) -> tuple[int, str]:
         """One pull (or one part of a streamed one), with the timeout, states, metrics and the
         error mapping: (blocks received, the reply's message)."""
-        self.states[request_id] = TransferState.PENDING
+        self.states[pull.request_id] = TransferState.PENDING
         start = time.perf_counter()
         try:
-            pulling = self._pull_into(address, request_id, block_ids, out, timeout, streamed)
-            num, message = await asyncio.wait_for(pulling, timeout)
+            num, message = await asyncio.wait_for(self._pull_into(pull), pull.timeout)
         except TransferError as exc:
             self._record_failure(exc.reason)
             raise
         except (asyncio.TimeoutError, TimeoutError) as exc:
             self._record_failure("timeout")
-            detail = f"no complete answer from {address} in {timeout}s"
+            detail = f"no complete answer from {pull.address} in {pull.timeout}s"
             raise TransferError("timeout", detail) from exc
         except (ConnectionError, EOFError, OSError) as exc:
             self._record_failure("connection_lost")
-            raise TransferError("connection_lost", f"{address}: {exc!r}") from exc
+            raise TransferError("connection_lost", f"{pull.address}: {exc!r}") from exc
         except Exception as exc:  # a bug or an unexpected library error: still a TransferError
             self._record_failure("internal")
-            raise TransferError("internal", f"{address}: {exc!r}") from exc
+            raise TransferError("internal", f"{pull.address}: {exc!r}") from exc
         finally:  # done, failed or cancelled: it is no longer in flight
-            self.states.pop(request_id, None)
-        nbytes = num * bytes_per_row(out)
+            self.states.pop(pull.request_id, None)
+        nbytes = num * pull.bytes_per_block
         self._record_ok(nbytes, time.perf_counter() - start, "received")
         return num, message
 
@@ -497,21 +527,14 @@ class KVTransferClient(_Endpoint, abc.ABC):
         self.states[request_id] = TransferState.TRANSFERRING
 
     @abc.abstractmethod
-    async def _pull_into(
-        self,
-        address: str,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool = False,
-    ) -> tuple[int, str]:
-        """Fill ``out`` with the blocks, or raise (TransferError or a connection error); return
-        how many blocks came and the reply's message. Plain: all of them. ``streamed``: an
-        ``OP_PULL_READY`` request, answered with the leading ones computed so far.
+    async def _pull_into(self, pull: PullRequest) -> tuple[int, str]:
+        """Fill ``pull.out`` with the blocks, or raise (TransferError or a connection error);
+        return how many blocks came and the reply's message. Plain: all of them.
+        ``pull.streamed``: an ``OP_PULL_READY`` request, answered with the leading ones computed
+        so far (:meth:`PullRequest.announced_blocks` checks the count a reply announces).
 
-        :meth:`pull` cancels this coroutine after ``timeout``; blocking work that cannot be
-        cancelled (a thread) must itself give up within ``timeout``.
+        :meth:`pull` cancels this coroutine after ``pull.timeout``; blocking work that cannot be
+        cancelled (a thread) must itself give up within it.
         """
 
     @abc.abstractmethod

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.base import TransferError
+from kvtransfer.base import PullRequest, TransferError
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,16 @@ def encode_request(request: Request) -> bytes:
         MAGIC, VERSION, request.op, len(token), len(request_id), len(ids), request.bytes_per_block
     )
     return header + token + request_id + ids.tobytes()
+
+
+def encode_pull(pull: PullRequest, token: str | None) -> bytes:
+    """The request frame of a client's pull: ``OP_PULL_READY`` for a part of a streamed pull,
+    else ``OP_PULL``; the block size lets the server refuse a layout that differs from its own.
+    Every transport's client sends exactly this (ucx in two messages, see request_head_len)."""
+    op = OP_PULL_READY if pull.streamed else OP_PULL
+    return encode_request(
+        Request(op, token or "", pull.request_id, pull.block_ids, pull.bytes_per_block)
+    )
 
 
 def encode_reply(status: int, message: str = "", payload_len: int = 0) -> bytes:
@@ -220,6 +230,12 @@ def tune_socket(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+
+
+def format_address(scheme: str, host: str, port: int) -> str:
+    """``scheme://host:port``, an IPv6 host in brackets (what :func:`parse_address` reads)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{shown}:{port}"
 
 
 def parse_address(address: str, scheme: str) -> tuple[str, int, dict[str, str]]:

@@ -25,15 +25,13 @@ import time
 import urllib.parse
 from collections import OrderedDict
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 
 from kvtransfer import framing
-from kvtransfer.base import BlockSource, KVLayout, TransferError, bytes_per_row
-from kvtransfer.faults import KVFaults
-from kvtransfer.metrics import TransferMetrics
-from kvtransfer.streaming import ready_pull
-from kvtransfer.tcp import TcpKVClient, TcpKVServer, _format_host
+from kvtransfer.base import PullRequest, TransferError
+from kvtransfer.tcp import TcpKVClient, TcpKVServer
 
 DONE_TIMEOUT_SECONDS = 30.0  # longest a server holds blocks for a client's copy
 MAX_MAPPINGS = 16  # prefill workers' KV files a decode worker keeps mapped
@@ -44,19 +42,13 @@ class ShmKVServer(TcpKVServer):
 
     transport = "shm"
 
-    def __init__(
-        self,
-        source: BlockSource,
-        layout: KVLayout,
-        token: str | None = None,
-        metrics: TransferMetrics | None = None,
-        path: str = "",
-        faults: KVFaults | None = None,
-    ):
-        super().__init__(source, layout, token, metrics, faults=faults)
+    def __init__(self, *args: Any, path: str = "", **kwargs: Any) -> None:
+        """:class:`KVTransferServer`'s arguments; ``path``: the KV cache's shared-memory file,
+        which clients map (required)."""
+        super().__init__(*args, **kwargs)
         if not path:
             raise ValueError("the shm transport needs the KV cache's shared-memory file (path=)")
-        if faults is not None and faults.corrupt:
+        if self.faults is not None and self.faults.corrupt:
             raise ValueError(
                 "the shm transport cannot inject 'corrupt' KV faults: the decode side copies the "
                 "blocks from shared memory itself (use tcp, torch or ucx)"
@@ -65,8 +57,8 @@ class ShmKVServer(TcpKVServer):
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         port = self._listener.start(host)
-        shown = _format_host(advertise_host or host)
-        return f"shm://{shown}:{port}?path={urllib.parse.quote(self.path)}"
+        address = framing.format_address("shm", advertise_host or host, port)
+        return f"{address}?path={urllib.parse.quote(self.path)}"
 
     async def _serve_request(
         self,
@@ -77,12 +69,7 @@ class ShmKVServer(TcpKVServer):
         start = time.perf_counter()
         with ExitStack() as held:
             try:
-                if request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
-                    self._record_failure("protocol")
-                    raise TransferError("protocol", f"op {request.op} is not served by shm")
-                request, message = await ready_pull(self, request)
-                args = (request.request_id, request.block_ids, request.bytes_per_block)
-                held.enter_context(self.holding(*args))  # renews the lease, checks the pins
+                request, message = await self._admit(request, held)  # renews the lease
                 if self.lent_rows(request.request_id, request.block_ids) is None:
                     raise TransferError("internal", "the shm transport needs a source of rows")
             except TransferError as exc:
@@ -105,36 +92,25 @@ class ShmKVClient(TcpKVClient):
 
     transport = "shm"
 
-    def __init__(
-        self, token: str | None = None, device: str = "cpu", metrics: TransferMetrics | None = None
-    ):
-        super().__init__(token, device, metrics)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """:class:`TcpKVClient`'s arguments (its control connections are pooled alike)."""
+        super().__init__(*args, **kwargs)
         # path -> (file identity, mapping); bounded, least recently used first out
         self._mappings: OrderedDict[str, tuple[tuple[int, int], torch.Tensor]] = OrderedDict()
 
-    async def _pull_into(
-        self,
-        address: str,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool = False,
-    ) -> tuple[int, str]:
-        host, port, params = framing.parse_address(address, "shm")
+    async def _pull_into(self, pull: PullRequest) -> tuple[int, str]:
+        host, port, params = framing.parse_address(pull.address, "shm")
         path = urllib.parse.unquote(params.get("path", ""))
-        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
-        frame = framing.encode_request(
-            framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
-        )
-        sock, payload_len, message = await self._request((host, port), frame, timeout)
+        frame = framing.encode_pull(pull, self.token)
+        sock, payload_len, message = await self._request((host, port), frame, pull.timeout)
+        block_ids, out = pull.block_ids, pull.out
         try:
             if payload_len != 0:
                 raise TransferError("protocol", f"shm server announced {payload_len} payload bytes")
-            num = int(json.loads(message)["blocks"]) if streamed else len(block_ids)
+            num = int(json.loads(message)["blocks"]) if pull.streamed else len(block_ids)
             if not 0 <= num <= len(block_ids):
                 raise TransferError("protocol", f"shm server announced {num} blocks")
-            self._mark_transferring(request_id)
+            self._mark_transferring(pull.request_id)
             source = self._map(path, out)
             ids = torch.tensor(block_ids[:num], dtype=torch.long)
             if max(block_ids[:num], default=0) >= source.shape[0]:
@@ -143,7 +119,7 @@ class ShmKVClient(TcpKVClient):
                 torch.index_select(source, 0, ids, out=out[:num])
             else:
                 out[:num].copy_(source.index_select(0, ids))
-            done = framing.Request(framing.OP_DONE, "", request_id, [], 0)
+            done = framing.Request(framing.OP_DONE, "", pull.request_id, [], 0)
             await asyncio.get_running_loop().sock_sendall(sock, framing.encode_request(done))
         except BaseException:
             sock.close()  # the server lets the blocks go when it sees the connection close

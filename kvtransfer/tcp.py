@@ -29,22 +29,19 @@ import asyncio
 import socket
 import time
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 
 from kvtransfer import framing
 from kvtransfer.base import (
-    BlockSource,
-    KVLayout,
     KVTransferClient,
     KVTransferServer,
+    PullRequest,
     TransferError,
-    bytes_per_row,
     tensor_bytes,
 )
 from kvtransfer.connection_pool import ConnectionPool
-from kvtransfer.faults import KVFaults
-from kvtransfer.metrics import TransferMetrics
 from kvtransfer.streaming import ready_pull
 
 # Below this many bytes the gather runs on the event loop; above, in a worker thread.
@@ -60,22 +57,21 @@ class TcpKVServer(KVTransferServer):
 
     def __init__(
         self,
-        source: BlockSource,
-        layout: KVLayout,
-        token: str | None = None,
-        metrics: TransferMetrics | None = None,
+        *args: Any,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         zero_copy: bool = True,
-        faults: KVFaults | None = None,
-    ):
-        super().__init__(source, layout, token, metrics, faults)
+        **kwargs: Any,
+    ) -> None:
+        """:class:`KVTransferServer`'s arguments; ``chunk_bytes``: the pieces a gathered pull is
+        sent in (0: one piece); ``zero_copy``: send the rows a source lends straight from it."""
+        super().__init__(*args, **kwargs)
         self.chunk_bytes = chunk_bytes
         self.zero_copy = zero_copy
         self._listener = framing.SocketListener(self._serve_connection)
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         port = self._listener.start(host)
-        return f"tcp://{_format_host(advertise_host or host)}:{port}"
+        return framing.format_address("tcp", advertise_host or host, port)
 
     async def stop(self) -> None:
         await self._listener.stop()
@@ -105,13 +101,9 @@ class TcpKVServer(KVTransferServer):
         start = time.perf_counter()
         with ExitStack() as held:
             try:
-                if request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
-                    self._record_failure("protocol")
-                    raise TransferError("protocol", f"op {request.op} is not served by tcp")
-                request, message = await ready_pull(self, request)
-                args = (request.request_id, request.block_ids, request.bytes_per_block)
-                held.enter_context(self.holding(*args))
-                rows = self.lent_rows(*args[:2]) if self.zero_copy else None
+                request, message = await self._admit(request, held)
+                ids = (request.request_id, request.block_ids)
+                rows = self.lent_rows(*ids) if self.zero_copy else None
                 chunks = self._chunks(request.block_ids)
                 first = None if rows is not None else await self._gather(request, chunks[0])
             except TransferError as exc:
@@ -145,6 +137,22 @@ class TcpKVServer(KVTransferServer):
                 raise ConnectionResetError(f"aborted mid-transfer: {exc}") from exc
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True
+
+    async def _admit(
+        self, request: framing.Request, held: ExitStack
+    ) -> tuple[framing.Request, str]:
+        """Validate a pull and hold its blocks until ``held`` closes: an op this transport
+        serves, a streamed pull cut to its ready blocks (:func:`ready_pull`), the client's
+        block size, the pins. (The plain pull to answer, the reply's message); TransferError,
+        counted, otherwise. The shm transport admits its pulls the same way."""
+        if request.op not in (framing.OP_PULL, framing.OP_PULL_READY):
+            self._record_failure("protocol")
+            raise TransferError("protocol", f"op {request.op} is not served by {self.transport}")
+        request, message = await ready_pull(self, request)
+        held.enter_context(
+            self.holding(request.request_id, request.block_ids, request.bytes_per_block)
+        )
+        return request, message
 
     def _chunks(self, block_ids: list[int]) -> list[list[int]]:
         """Block ids in pieces of about ``chunk_bytes`` (one piece when chunking is off)."""
@@ -186,37 +194,22 @@ class TcpKVClient(KVTransferClient):
 
     transport = "tcp"
 
-    def __init__(
-        self,
-        token: str | None = None,
-        device: str = "cpu",
-        metrics: TransferMetrics | None = None,
-        max_idle_per_server: int = 4,
-    ):
-        super().__init__(token, device, metrics)
+    def __init__(self, *args: Any, max_idle_per_server: int = 4, **kwargs: Any) -> None:
+        """:class:`KVTransferClient`'s arguments; ``max_idle_per_server``: idle connections
+        kept for reuse per server."""
+        super().__init__(*args, **kwargs)
         self.connections: ConnectionPool[socket.socket] = ConnectionPool(
             _connect, socket.socket.close, max_idle_per_server=max_idle_per_server
         )
 
-    async def _pull_into(
-        self,
-        address: str,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool = False,
-    ) -> tuple[int, str]:
-        host, port, _ = framing.parse_address(address, "tcp")
-        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
-        frame = framing.encode_request(
-            framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
-        )
-        sock, payload_len, message = await self._request((host, port), frame, timeout)
+    async def _pull_into(self, pull: PullRequest) -> tuple[int, str]:
+        host, port, _ = framing.parse_address(pull.address, "tcp")
+        frame = framing.encode_pull(pull, self.token)
+        sock, payload_len, message = await self._request((host, port), frame, pull.timeout)
         try:
-            num = expect_reply_size(payload_len, out, streamed)
-            self._mark_transferring(request_id)
-            await self._receive(sock, out[:num])
+            num = pull.announced_blocks(payload_len)
+            self._mark_transferring(pull.request_id)
+            await self._receive(sock, pull.out[:num])
         except BaseException:
             sock.close()
             raise
@@ -262,19 +255,3 @@ async def _connect(key: tuple[str, int], timeout: float) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def expect_reply_size(payload_len: int, out: torch.Tensor, streamed: bool = False) -> int:
-    """The number of blocks the server announced: exactly ``out``'s for a plain pull, whole
-    blocks up to that for a streamed part; size_mismatch otherwise."""
-    per_block, expected = bytes_per_row(out), out.numel() * out.element_size()
-    whole = per_block and payload_len % per_block == 0
-    if payload_len == expected or (streamed and whole and payload_len <= expected):
-        return payload_len // per_block if per_block else 0
-    raise TransferError(
-        "size_mismatch", f"server announced {payload_len} bytes, expected {expected}"
-    )
-
-
-def _format_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

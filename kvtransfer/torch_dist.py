@@ -39,18 +39,8 @@ import torch
 import torch.distributed as dist
 
 from kvtransfer import framing
-from kvtransfer.base import (
-    BlockSource,
-    KVLayout,
-    KVTransferClient,
-    KVTransferServer,
-    TransferError,
-    bytes_per_row,
-)
-from kvtransfer.faults import KVFaults
-from kvtransfer.metrics import TransferMetrics
+from kvtransfer.base import KVTransferClient, KVTransferServer, PullRequest, TransferError
 from kvtransfer.streaming import ready_pull
-from kvtransfer.tcp import expect_reply_size
 
 TAG = 0  # one message at a time per pair, so a single tag suffices
 # A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs lack send/recv.
@@ -100,16 +90,11 @@ class TorchKVServer(KVTransferServer):
     transport = "torch"
 
     def __init__(
-        self,
-        source: BlockSource,
-        layout: KVLayout,
-        token: str | None = None,
-        metrics: TransferMetrics | None = None,
-        device: str = "cpu",
-        group_timeout: float = 30.0,
-        faults: KVFaults | None = None,
-    ):
-        super().__init__(source, layout, token, metrics, faults)
+        self, *args: Any, device: str = "cpu", group_timeout: float = 30.0, **kwargs: Any
+    ) -> None:
+        """:class:`KVTransferServer`'s arguments; ``device``: where the KV cache lives (CUDA:
+        NCCL, else gloo); ``group_timeout``: the longest a pair's setup or a send may take."""
+        super().__init__(*args, **kwargs)
         self.backend = backend_for(torch.device(device))
         self.group_timeout = group_timeout
         self._listener = framing.SocketListener(self._serve_connection)
@@ -119,9 +104,8 @@ class TorchKVServer(KVTransferServer):
         limit = datetime.timedelta(seconds=self.group_timeout)
         self._store = dist.TCPStore(host, 0, None, True, limit, wait_for_workers=False)
         port = self._listener.start(host)
-        public = advertise_host or host
-        shown = f"[{public}]" if ":" in public else public
-        return f"torch://{shown}:{port}?store={self._store.port}"
+        address = framing.format_address("torch", advertise_host or host, port)
+        return f"{address}?store={self._store.port}"
 
     async def stop(self) -> None:
         await self._listener.stop()
@@ -226,59 +210,37 @@ class TorchKVClient(KVTransferClient):
 
     transport = "torch"
 
-    def __init__(
-        self,
-        token: str | None = None,
-        device: str = "cpu",
-        metrics: TransferMetrics | None = None,
-    ):
-        super().__init__(token, device, metrics)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """:class:`KVTransferClient`'s arguments: a pair per server, no other options."""
+        super().__init__(*args, **kwargs)
         self.backend = backend_for(self.device)
         self._pairs: dict[str, _Pair] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
 
-    async def _pull_into(
-        self,
-        address: str,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool = False,
-    ) -> tuple[int, str]:
-        pair = await self._pair(address, timeout)
+    async def _pull_into(self, pull: PullRequest) -> tuple[int, str]:
+        pair = await self._pair(pull.address, pull.timeout)
         async with pair.lock:
             try:
-                return await self._pull_on(pair, request_id, block_ids, out, timeout, streamed)
+                return await self._pull_on(pair, pull)
             except TransferError as exc:
                 if exc.reason not in ("unknown_request", "size_mismatch"):
-                    self._drop(address, pair)
+                    self._drop(pull.address, pair)
                 raise
             except BaseException:
-                self._drop(address, pair)
+                self._drop(pull.address, pair)
                 raise
 
-    async def _pull_on(
-        self,
-        pair: _Pair,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool,
-    ) -> tuple[int, str]:
+    async def _pull_on(self, pair: _Pair, pull: PullRequest) -> tuple[int, str]:
         loop = asyncio.get_running_loop()
-        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
-        request = framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
-        await loop.sock_sendall(pair.sock, framing.encode_request(request))
+        await loop.sock_sendall(pair.sock, framing.encode_pull(pull, self.token))
         status, message, payload_len = await framing.read_reply(loop, pair.sock)
         if status != framing.STATUS_OK:
             raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
-        num = expect_reply_size(payload_len, out, streamed)
-        self._mark_transferring(request_id)
+        num = pull.announced_blocks(payload_len)
+        self._mark_transferring(pull.request_id)
         if num:
             try:
-                await asyncio.to_thread(_recv, pair.group, out[:num], timeout)
+                await asyncio.to_thread(_recv, pair.group, pull.out[:num], pull.timeout)
             except RuntimeError as exc:
                 raise ConnectionResetError(f"recv failed: {exc}") from exc
         return num, message

@@ -48,19 +48,9 @@ import numpy as np
 import torch
 
 from kvtransfer import framing
-from kvtransfer.base import (
-    BlockSource,
-    KVLayout,
-    KVTransferClient,
-    KVTransferServer,
-    TransferError,
-    bytes_per_row,
-)
+from kvtransfer.base import KVTransferClient, KVTransferServer, PullRequest, TransferError
 from kvtransfer.connection_pool import ConnectionPool
-from kvtransfer.faults import KVFaults
-from kvtransfer.metrics import TransferMetrics
 from kvtransfer.streaming import ready_pull
-from kvtransfer.tcp import expect_reply_size
 
 logger = logging.getLogger(__name__)
 
@@ -211,24 +201,18 @@ class UcxKVServer(KVTransferServer):
     transport = "ucx"
 
     def __init__(
-        self,
-        source: BlockSource,
-        layout: KVLayout,
-        token: str | None = None,
-        metrics: TransferMetrics | None = None,
-        ucx_options: dict[str, str] | None = None,
-        faults: KVFaults | None = None,
-    ):
-        super().__init__(source, layout, token, metrics, faults)
+        self, *args: Any, ucx_options: dict[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        """:class:`KVTransferServer`'s arguments; ``ucx_options``: UCX settings (UCX_* names
+        without the prefix), for the process: the first endpoint that starts UCX sets them."""
+        super().__init__(*args, **kwargs)
         self._ucxx = _require_ucxx(ucx_options)
         self._rendezvous = framing.SocketListener(self._handshake)
         self._endpoints: set[TaggedEndpoint] = set()
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         port = self._rendezvous.start(host)  # bound to this worker's host only
-        public = advertise_host or host
-        shown = f"[{public}]" if ":" in public else public
-        return f"ucx://{shown}:{port}"
+        return framing.format_address("ucx", advertise_host or host, port)
 
     async def stop(self) -> None:
         for ep in list(self._endpoints):
@@ -336,33 +320,22 @@ class UcxKVClient(KVTransferClient):
 
     def __init__(
         self,
-        token: str | None = None,
-        device: str = "cpu",
-        metrics: TransferMetrics | None = None,
+        *args: Any,
         ucx_options: dict[str, str] | None = None,
         max_idle_per_server: int = 4,
-    ):
-        super().__init__(token, device, metrics)
+        **kwargs: Any,
+    ) -> None:
+        """:class:`KVTransferClient`'s arguments; ``ucx_options`` as for the server;
+        ``max_idle_per_server``: idle endpoints kept for reuse per server."""
+        super().__init__(*args, **kwargs)
         self._ucxx = _require_ucxx(ucx_options)
         self.connections: ConnectionPool[Any] = ConnectionPool(
             self._connect, _abort, lambda ep: not ep.closed, max_idle_per_server
         )
 
-    async def _pull_into(
-        self,
-        address: str,
-        request_id: str,
-        block_ids: list[int],
-        out: torch.Tensor,
-        timeout: float,
-        streamed: bool = False,
-    ) -> tuple[int, str]:
-        host, port, _ = framing.parse_address(address, "ucx")
-        op = framing.OP_PULL_READY if streamed else framing.OP_PULL
-        frame = framing.encode_request(
-            framing.Request(op, self.token or "", request_id, block_ids, bytes_per_row(out))
-        )
-
+    async def _pull_into(self, pull: PullRequest) -> tuple[int, str]:
+        host, port, _ = framing.parse_address(pull.address, "ucx")
+        frame = framing.encode_pull(pull, self.token)
         head = framing.request_head_len(frame)
 
         async def exchange(ep: Any) -> tuple[int, str, int]:
@@ -385,19 +358,20 @@ class UcxKVClient(KVTransferClient):
             except _UCXError as exc:
                 raise ConnectionResetError(f"UCX request failed: {exc}") from exc
 
-        ep, payload_len, message = await self.connections.request((host, port), exchange, timeout)
+        key = (host, port)
+        ep, payload_len, message = await self.connections.request(key, exchange, pull.timeout)
         try:
-            num = expect_reply_size(payload_len, out, streamed)
-            self._mark_transferring(request_id)
+            num = pull.announced_blocks(payload_len)
+            self._mark_transferring(pull.request_id)
             if num:
-                await ep.recv(_payload(out[:num]))
+                await ep.recv(_payload(pull.out[:num]))
         except _UCXError as exc:
             _abort(ep)
             raise ConnectionResetError(f"UCX receive failed: {exc}") from exc
         except BaseException:
             _abort(ep)
             raise
-        self.connections.release((host, port), ep)
+        self.connections.release(key, ep)
         return num, message
 
     async def _connect(self, key: tuple[str, int], timeout: float) -> TaggedEndpoint:
