@@ -13,6 +13,13 @@ default. Nested config fields (``EngineConfig.cache``) contribute their own sett
 (the cluster token, the Redis password) never become flags: they come from an environment
 variable, or from a file named by a ``--...-file`` flag. The environment is read only by the
 entry point that calls ``add_settings``, which passes it in.
+
+A setting without a default is a required flag (unless its variable is set). A ``tuple[T, ...]``
+setting takes one or more values (``--batch-sizes 1 2 4``; with ``repeat``: one value, the flag
+given again for more), and its variable holds them separated by commas.
+
+A setting several configs share is declared once, on one dataclass, and the others take it with
+``same_setting``: the same flag, variable, help and default (``common.shared_settings``).
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ class Setting:
     metavar: str | None = None
     secret_file_flag: str | None = None  # secrets: no flag of their own, a file flag instead
     const: Any = None  # not None: the flag may be given without a value, meaning this
+    repeat: bool = False  # tuple settings: one value per flag, the flag repeated for more
+    fallback_env: str | None = None  # a variable read when PDSERVE_<NAME> is not set
 
 
 def setting(
@@ -54,10 +63,23 @@ def setting(
     parse: Parse | None = None,
     metavar: str | None = None,
     const: Any = None,
+    repeat: bool = False,
+    fallback_env: str | None = None,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
 ) -> Any:
-    """A dataclass field that is also a flag and an environment variable."""
-    meta = {"setting": Setting(help, flag, choices, parse, metavar, const=const)}
+    """A dataclass field that is also a flag and an environment variable (no default: a
+    required flag)."""
+    spec = Setting(
+        help,
+        flag,
+        choices,
+        parse,
+        metavar,
+        const=const,
+        repeat=repeat,
+        fallback_env=fallback_env,
+    )
+    meta = {"setting": spec}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -67,6 +89,37 @@ def secret(help: str, file_flag: str) -> Any:
     """A secret field (default None): from ``PDSERVE_<NAME>`` or the file ``file_flag`` names."""
     meta = {"setting": Setting(help, secret_file_flag=file_flag)}
     return dataclasses.field(default=None, repr=False, metadata=meta)
+
+
+def same_setting(
+    cls: type, name: str, *, default: Any = dataclasses.MISSING, note: str = ""
+) -> Any:
+    """A field that is ``cls``'s setting ``name`` again, for a config that shares it: the same
+    flag, variable, help and default, declared once on ``cls``. The field must be called
+    ``name`` too. ``default`` replaces the default; ``note`` is added to the help (what this
+    component does with the setting)."""
+    origin = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if origin is None or "setting" not in origin.metadata:
+        raise TypeError(f"{cls.__name__} has no setting {name!r}")
+    spec: Setting = origin.metadata["setting"]
+    if note:
+        spec = dataclasses.replace(spec, help=f"{spec.help}; {note}")
+    meta = {"setting": spec, "same_as": (cls, name)}
+    kwargs: dict[str, Any] = {"repr": origin.repr, "metadata": meta}
+    if default is not dataclasses.MISSING:
+        kwargs["default"] = default
+    elif origin.default_factory is not dataclasses.MISSING:
+        kwargs["default_factory"] = origin.default_factory
+    else:
+        kwargs["default"] = origin.default
+    return dataclasses.field(**kwargs)
+
+
+def shared_with(cls: type, origin: type) -> tuple[str, ...]:
+    """The names of ``cls``'s settings that are ``origin``'s (``same_setting``)."""
+    return tuple(
+        f.name for f in dataclasses.fields(cls) if f.metadata.get("same_as", (None,))[0] is origin
+    )
 
 
 def parse_size(text: str) -> int:
@@ -107,6 +160,9 @@ def settings_of(
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
         spec = f.metadata.get("setting")
+        same_as = f.metadata.get("same_as")
+        if same_as is not None and same_as[1] != f.name:
+            raise TypeError(f"{cls.__name__}.{f.name} is {same_as[0].__name__}.{same_as[1]}")
         if spec is not None:
             yield f.name, f, spec, kind
         elif nested and dataclasses.is_dataclass(kind):
@@ -132,13 +188,15 @@ def add_settings(
     skip: tuple[str, ...] = (),
     defaults: Mapping[str, Any] | None = None,
     nested: bool = True,
+    only: tuple[str, ...] | None = None,
 ) -> None:
     """Add a flag for every setting of ``cls`` (nested configs' too, unless ``nested`` is
-    False), but the dotted paths in ``skip``; its default is the environment's value, else
-    ``defaults[path]``, else the field's default. ``prefix`` goes before every dotted path (the
-    destination in the parsed namespace): a nested config's fields added on their own."""
+    False), but the dotted paths in ``skip`` (and, given ``only``, but those in ``only`` or
+    under them); its default is the environment's value, else ``defaults[path]``, else the
+    field's default. ``prefix`` goes before every dotted path (the destination in the parsed
+    namespace): a nested config's fields added on their own."""
     for path, f, spec, kind in settings_of(cls, nested):
-        if path in skip:
+        if path in skip or (only is not None and not _under(path, only)):
             continue
         path = prefix + path
         if spec.secret_file_flag is not None:
@@ -147,12 +205,34 @@ def add_settings(
         flag = flag_of(f.name, spec)
         default = (defaults or {}).get(path, _field_default(f))
         name = env_name(flag)
-        if name in env:
-            default = _from_env(name, env[name], kind, spec, flag)
-        shown = _shown(default, spec)
-        help_text = f"{spec.help} (default: {shown}; env {name})"
+        names = name + (f" or {spec.fallback_env}" if spec.fallback_env else "")
+        required = _is_required(f) and path not in (defaults or {})
+        for var in (name, spec.fallback_env):
+            if var is not None and var in env:
+                default, required = _from_env(var, env[var], kind, spec, flag), False
+                break
+        shown = "required" if required else f"default: {_shown(default, spec)}"
+        help_text = f"{spec.help} ({shown}; env {names})"
         if _base_type(kind) is bool:
             _add_bool(parser, path, flag, bool(default), help_text)
+            continue
+        item = _item_type(kind)
+        metavar = spec.metavar or flag.lstrip("-").replace("-", "_").upper()
+        if spec.choices is not None and spec.metavar is None:
+            metavar = "{" + ",".join(map(str, spec.choices)) + "}"
+        if item is not None:  # one or more values; the flag given again adds more
+            parser.add_argument(
+                flag,
+                dest=path,
+                default=default,
+                type=spec.parse or item,
+                choices=spec.choices,
+                nargs=None if spec.repeat else "+",
+                action=_Items,
+                required=required,
+                metavar=metavar,
+                help=help_text,
+            )
             continue
         optional_value = {"nargs": "?", "const": spec.const} if spec.const is not None else {}
         parser.add_argument(
@@ -161,7 +241,8 @@ def add_settings(
             default=default,
             type=spec.parse or _base_type(kind),
             choices=spec.choices,
-            metavar=spec.metavar or flag.lstrip("-").replace("-", "_").upper(),
+            required=required,
+            metavar=metavar,
             help=help_text,
             **optional_value,
         )
@@ -210,6 +291,13 @@ def to_flags(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
                 flags.append(flag)  # the default is True: only False differs
             else:
                 flags.append(flag if value else "--no-" + flag[2:])
+        elif _item_type(kind) is not None:  # an empty tuple is no flag: the default stands
+            items = [str(item) for item in value]
+            if spec.repeat:
+                for item in items:
+                    flags += [flag, item]
+            elif items:
+                flags += [flag, *items]
         elif value is not None:
             shown = format_size(value) if spec.parse is parse_size else str(value)
             flags += [flag, shown]
@@ -266,6 +354,24 @@ def _read_secret(args: argparse.Namespace, path: str) -> str | None:
     return text
 
 
+class _Items(argparse.Action):
+    """A tuple setting's flag: its values replace the default, and the flag given again adds
+    more (``--stop a --stop b``, ``--batch-sizes 1 2 --batch-sizes 4``)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        before = () if current is self.default or current is None else tuple(current)
+        setattr(
+            namespace, self.dest, (*before, *(values if isinstance(values, list) else [values]))
+        )
+
+
 def _add_bool(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     path: str,
@@ -295,13 +401,15 @@ def _from_env(name: str, text: str, kind: Any, spec: Setting, flag: str) -> Any:
         return not on if flag.startswith("--no-") else on
     if text == "" and _is_optional(kind):
         return None
+    item = _item_type(kind)
+    texts = [t.strip() for t in text.split(",") if t.strip()] if item is not None else [text]
     try:
-        value = (spec.parse or base)(text)
+        values = [(spec.parse or item or base)(t) for t in texts]
     except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ValueError(f"{name}={text!r}: {exc}") from exc
-    if spec.choices is not None and value not in spec.choices:
+    if spec.choices is not None and any(v not in spec.choices for v in values):
         raise ValueError(f"{name}={text!r}: choose one of {', '.join(map(str, spec.choices))}")
-    return value
+    return tuple(values) if item is not None else values[0]
 
 
 def _field_default(f: dataclasses.Field[Any]) -> Any:
@@ -312,6 +420,14 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
     return None
 
 
+def _is_required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _under(path: str, paths: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in paths)
+
+
 def _get(config: Any, path: str) -> Any:
     for part in path.split("."):
         config = getattr(config, part)
@@ -319,8 +435,10 @@ def _get(config: Any, path: str) -> Any:
 
 
 def _shown(default: Any, spec: Setting) -> str:
-    if default is None:
+    if default is None or default == ():
         return "none"
+    if isinstance(default, tuple):
+        return " ".join(map(str, default))
     if spec.parse is parse_size and isinstance(default, int):
         return format_size(default)
     return str(default)
@@ -328,6 +446,13 @@ def _shown(default: Any, spec: Setting) -> str:
 
 def _is_optional(kind: Any) -> bool:
     return type(None) in typing.get_args(kind)
+
+
+def _item_type(kind: Any) -> Any:
+    """``tuple[int, ...]`` -> ``int``; None for other types."""
+    if typing.get_origin(kind) is tuple:
+        return typing.get_args(kind)[0]
+    return None
 
 
 def _base_type(kind: Any) -> Any:

@@ -1,10 +1,10 @@
 """The ``pdserve`` command line.
 
-The flags of the engine, the workers, the router and ``up`` are generated from their config
-dataclasses' fields (``common.settings``): each also reads an environment variable
-(``--max-num-seqs`` reads ``PDSERVE_MAX_NUM_SEQS``), and a flag on the command line wins.
-Environment variables are read here, at the entry point, and nowhere else; ``--help`` shows
-every default and variable.
+Every flag of every command is generated from a config dataclass's fields (``common.settings``):
+the engine's, the workers', the router's, ``up``'s, ``plan``'s and ``generate``'s. Each also
+reads an environment variable (``--max-num-seqs`` reads ``PDSERVE_MAX_NUM_SEQS``), and a flag on
+the command line wins. Environment variables are read here, at the entry point, and nowhere
+else; ``--help`` shows every default and variable.
 """
 
 from __future__ import annotations
@@ -15,11 +15,18 @@ import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-from common.settings import HelpFormatter, add_settings, build
+from common.settings import HelpFormatter, add_settings, build, setting
+from pdserve.profile import ProfileConfig  # numpy-free: its flags are plan's
 from services.engine.config import EngineConfig, default_num_threads
 from services.worker.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from common.sampling_params import SamplingParams
+    from pdserve.plan import SLO, Workload
 
 DEMO_PROMPTS = [
     "The capital of France is",
@@ -27,6 +34,100 @@ DEMO_PROMPTS = [
     "def fibonacci(n):",
     "Three reasons to split prefill from decode:",
 ]
+PRESETS = ("chatbot", "summarization", "mixed", "codegen")  # loadtest.datasets' and "mixed"
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """`pdserve generate`: how every prompt is sampled, and how the results are printed."""
+
+    max_tokens: int = setting(64, "new tokens per prompt")
+    temperature: float = setting(0.0, "sampling temperature (0: greedy)")
+    top_p: float = setting(1.0, "nucleus sampling: the top tokens of this much probability")
+    top_k: int = setting(0, "sample from the k most likely tokens (0: off)")
+    n: int = setting(1, "sequences per prompt")
+    stop: tuple[str, ...] = setting((), "a stop string (repeatable)", repeat=True)
+    ignore_eos: bool = setting(False, "generate exactly --max-tokens")
+    sample_seed: int | None = setting(None, "per-request sampling seed")
+    json: bool = setting(False, "one JSON line per prompt, with token ids")
+
+    def sampling_params(self) -> SamplingParams:
+        from common.sampling_params import SamplingParams
+
+        return SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            seed=self.sample_seed,
+            n=self.n,
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """`pdserve plan`: the profile (a file, or measured now), the workload, the SLOs and the
+    core budget."""
+
+    ttft_slo: float = setting(help="TTFT limit, ms")
+    tpot_slo: float = setting(help="TPOT limit, ms")
+    profile: str | None = setting(None, "a worker profile JSON (saved by --save-profile)")
+    measure: bool = setting(False, "measure the profile now (~1.5 min on 2 cores)")
+    save_profile: str | None = setting(None, "with --measure: write the profile to this file")
+    measuring: ProfileConfig = field(default_factory=ProfileConfig)
+    preset: str | None = setting(
+        None, "request lengths of a loadtest preset (mixed: the others, equally)", choices=PRESETS
+    )
+    isl: int | None = setting(None, "input tokens of every request (with --osl)")
+    osl: int | None = setting(None, "output tokens of every request (with --isl)")
+    input_scale: float = setting(1.0, "x the preset's input lengths")
+    output_scale: float = setting(1.0, "x the preset's output lengths")
+    rate: float | None = setting(None, "target req/s: latency at it and pool sizes for it")
+    slo_stat: str = setting("p90", "per-request statistic the SLOs bound: pNN (percentile) or mean")
+    cores: int = setting(
+        help="core budget (the cores this process may use, unless given)",
+        default_factory=default_num_threads,
+    )
+    shared_cores: bool = setting(
+        False,
+        "the router, Redis or clients run on the workers' cores: recommend one-thread "
+        "workers only (see docs/planning.md)",
+    )
+    json: bool = setting(False, "print the plan as JSON")
+
+    def __post_init__(self) -> None:
+        if (self.profile is None) == (not self.measure):
+            raise ValueError("give either --profile FILE or --measure")
+        lengths = (self.isl is not None, self.osl is not None)
+        if (self.preset is None) != (lengths == (True, True)) or (
+            any(lengths) and (self.preset or not all(lengths))
+        ):
+            raise ValueError("give either --preset or --isl and --osl")
+
+    @property
+    def workload(self) -> Workload:
+        from pdserve.plan import fixed_workload, preset_workload
+
+        if self.preset:
+            return preset_workload(self.preset, self.input_scale, self.output_scale)
+        assert self.isl is not None and self.osl is not None
+        return fixed_workload(self.isl, self.osl)
+
+    @property
+    def slo(self) -> SLO:
+        from pdserve.plan import SLO
+
+        return SLO(self.ttft_slo / 1e3, self.tpot_slo / 1e3, self.slo_stat)
+
+
+# `pdserve plan --help`'s sections: the dotted paths of PlanConfig's settings in each.
+PLAN_GROUPS = {
+    "profile": ("profile", "measure", "save_profile", "measuring"),
+    "workload": ("preset", "isl", "osl", "input_scale", "output_scale", "rate"),
+    "SLOs and budget": ("ttft_slo", "tpot_slo", "slo_stat", "cores", "shared_cores", "json"),
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
@@ -40,9 +141,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def add_worker_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """A prefill / decode / colocated worker's settings, then its engine's."""
-    defaults = {"otlp_endpoint": env.get("OTEL_EXPORTER_OTLP_ENDPOINT")}
-    worker = parser.add_argument_group("worker")
-    add_settings(worker, WorkerConfig, env, defaults=defaults, nested=False)
+    add_settings(parser.add_argument_group("worker"), WorkerConfig, env, nested=False)
     add_settings(parser.add_argument_group("engine"), EngineConfig, env, prefix="engine.")
 
 
@@ -54,8 +153,7 @@ def add_router_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> 
     """The gateway's settings (`pdserve router`)."""
     from router.config import RouterConfig
 
-    defaults = {"otlp_endpoint": env.get("OTEL_EXPORTER_OTLP_ENDPOINT")}
-    add_settings(parser.add_argument_group("router"), RouterConfig, env, defaults=defaults)
+    add_settings(parser.add_argument_group("router"), RouterConfig, env)
 
 
 def router_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -103,35 +201,29 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_llm(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from services.engine.llm import LLM
-
-    return LLM.from_config(engine_config_from_args(args))
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
-    from common.sampling_params import SamplingParams
-
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("error: give prompts as arguments or on standard input", file=sys.stderr)
         return 2
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        max_tokens=args.max_tokens,
-        seed=args.sample_seed,
-        n=args.n,
-        stop=args.stop or [],
-        ignore_eos=args.ignore_eos,
-    )
-    llm = _build_llm(args)
+    return generate(prompts, build(GenerateConfig, args), engine_config_from_args(args))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    return generate(DEMO_PROMPTS, GenerateConfig(max_tokens=48), engine_config_from_args(args))
+
+
+def generate(prompts: list[str], config: GenerateConfig, engine: EngineConfig) -> int:
+    """Complete ``prompts`` offline and print the results."""
+    from services.engine.llm import LLM
+
+    params = config.sampling_params()
+    llm = LLM.from_config(engine)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    outputs = llm.generate(prompts, params, use_tqdm=not config.json)
     elapsed = time.perf_counter() - start
     for out in outputs:
-        if args.json:
+        if config.json:
             print(
                 json.dumps(
                     {
@@ -154,112 +246,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(
                     f"\n>>> {out.prompt}\n{o.text}\n[{o.finish_reason}, {len(o.token_ids)} tokens]"
                 )
-    if not args.json:
+    if not config.json:
         total = sum(len(o.token_ids) for out in outputs for o in out.outputs)
         print(f"\n{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tokens/s)")
     return 0
 
 
 def add_plan_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """Flags of `pdserve plan` (profile source, workload, SLOs, core budget)."""
-    g = parser.add_argument_group("profile")
-    source = g.add_mutually_exclusive_group(required=True)
-    source.add_argument("--profile", help="a worker profile JSON (saved by --save-profile)")
-    source.add_argument(
-        "--measure", action="store_true", help="measure the profile now (~1.5 min on 2 cores)"
-    )
-    g.add_argument("--save-profile", help="with --measure: write the profile to this file")
-    g.add_argument(
-        "--profile-threads",
-        type=int,
-        nargs="+",
-        help="torch thread counts to profile (default: 1 and the cores this process may use)",
-    )
-    g.add_argument("--prefill-tokens", type=int, nargs="+", help="prompt lengths to time")
-    g.add_argument("--batch-sizes", type=int, nargs="+", help="decode batch sizes to time")
-    g.add_argument("--contexts", type=int, nargs="+", help="decode context lengths to time")
-    g.add_argument("--transfer-tokens", type=int, nargs="+", help="KV pull sizes to time")
-    g.add_argument("--repeats", type=int, default=3, help="runs per point (the median is kept)")
-    g.add_argument(
-        "--model", default=env.get("PDSERVE_MODEL"), help="default: SmolLM2-135M-Instruct"
-    )
-    g.add_argument("--cache-dir", default=env.get("PDSERVE_CACHE_DIR"))
-    w = parser.add_argument_group("workload")
-    w.add_argument("--preset", choices=["chatbot", "summarization", "mixed", "codegen"])
-    w.add_argument("--isl", type=int, help="input tokens of every request (with --osl)")
-    w.add_argument("--osl", type=int, help="output tokens of every request (with --isl)")
-    w.add_argument("--input-scale", type=float, default=1.0, help="x the preset's input lengths")
-    w.add_argument("--output-scale", type=float, default=1.0, help="x the preset's output lengths")
-    w.add_argument("--rate", type=float, help="target req/s: latency at it and pool sizes for it")
-    s = parser.add_argument_group("SLOs and budget")
-    s.add_argument("--ttft-slo", type=float, required=True, help="TTFT limit, ms")
-    s.add_argument("--tpot-slo", type=float, required=True, help="TPOT limit, ms")
-    s.add_argument(
-        "--slo-stat",
-        default="p90",
-        help="per-request statistic the SLOs bound: pNN (percentile) or mean (default p90)",
-    )
-    s.add_argument(
-        "--cores",
-        type=int,
-        default=default_num_threads(),
-        help="core budget (default: the cores this process may use)",
-    )
-    s.add_argument(
-        "--shared-cores",
-        action="store_true",
-        help="the router, Redis or clients run on the workers' cores: recommend one-thread "
-        "workers only (see docs/planning.md)",
-    )
-    s.add_argument("--json", action="store_true", help="print the plan as JSON")
+    """`pdserve plan`'s settings (PlanConfig's, the profile's to measure included), by section."""
+    for title, paths in PLAN_GROUPS.items():
+        add_settings(parser.add_argument_group(title), PlanConfig, env, only=paths)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from pdserve.plan import SLO, fixed_workload, make_plan, preset_workload
+    from pdserve.plan import make_plan
     from pdserve.plan_report import format_plan, plan_dict
-    from pdserve.profile import ProfileConfig, WorkerProfile, measure_profile
+    from pdserve.profile import WorkerProfile, measure_profile
 
-    lengths_given = (args.isl is not None, args.osl is not None)
-    if (
-        (args.preset is None) != (lengths_given == (True, True))
-        or any(lengths_given)
-        and (args.preset or not all(lengths_given))
-    ):
-        raise ValueError("give either --preset or --isl and --osl")
-    if args.preset:
-        workload = preset_workload(args.preset, args.input_scale, args.output_scale)
+    config = build(PlanConfig, args)
+    workload, slo = config.workload, config.slo  # bad input fails before a measurement
+    if config.measure:
+        profile = measure_profile(config.measuring)
+        if config.save_profile:
+            profile.save(Path(config.save_profile))
     else:
-        workload = fixed_workload(args.isl, args.osl)
-    slo = SLO(args.ttft_slo / 1e3, args.tpot_slo / 1e3, args.slo_stat)
-    if args.measure:
-        lengths = {
-            k: tuple(v)
-            for k in ("prefill_tokens", "batch_sizes", "contexts", "transfer_tokens")
-            if (v := getattr(args, k))
-        }
-        threads = args.profile_threads or sorted({1, default_num_threads()})
-        config = ProfileConfig(
-            threads=tuple(threads),
-            repeats=args.repeats,
-            model=args.model,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-            **lengths,  # type: ignore[arg-type]
-        )
-        profile = measure_profile(config)
-        if args.save_profile:
-            profile.save(Path(args.save_profile))
-    else:
-        path = Path(args.profile)
+        assert config.profile is not None
+        path = Path(config.profile)
         if not path.is_file():
             raise ValueError(
-                f"--profile {args.profile}: no such file; make one with `pdserve plan --measure "
+                f"--profile {config.profile}: no such file; make one with `pdserve plan --measure "
                 "--save-profile FILE ...`, or use the committed benchmarks/profiles/epyc-2core.json"
             )
         profile = WorkerProfile.load(path)
-    plan = make_plan(profile, workload, slo, args.cores, args.rate, args.shared_cores)
-    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_plan(plan))
+    plan = make_plan(profile, workload, slo, config.cores, config.rate, config.shared_cores)
+    print(json.dumps(plan_dict(plan), indent=2) if config.json else format_plan(plan))
     return 0
 
 
@@ -274,21 +296,13 @@ def make_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
     gen = command("generate", "complete prompts offline and print the results")
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
-    gen.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    gen.add_argument("--top-k", type=int, default=0, help="0: off")
-    gen.add_argument("--n", type=int, default=1, help="sequences per prompt")
-    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens")
-    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
-    gen.add_argument("--json", action="store_true", help="one JSON line per prompt, with token ids")
+    add_settings(gen.add_argument_group("sampling and output"), GenerateConfig, env)
     add_engine_args(gen, env)
     gen.set_defaults(func=cmd_generate)
 
     demo = command("demo", "the offline engine on a few prompts")
     add_engine_args(demo, env)
-    demo.set_defaults(func=lambda a: cmd_generate(_demo_args(a)))
+    demo.set_defaults(func=cmd_demo)
 
     for role, text in (
         ("prefill", "a prefill worker: computes prompts, serves their KV blocks"),
@@ -332,13 +346,6 @@ def _version() -> str:
         return version("pdserve")
     except PackageNotFoundError:  # running from a checkout that was not installed
         return "unknown"
-
-
-def _demo_args(args: argparse.Namespace) -> argparse.Namespace:
-    args.prompt = DEMO_PROMPTS
-    args.max_tokens, args.temperature, args.top_p, args.top_k, args.n = 48, 0.0, 1.0, 0, 1
-    args.stop, args.ignore_eos, args.sample_seed, args.json = None, False, None, False
-    return args
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ context between or beyond the measured ones, have a step time.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
@@ -43,10 +42,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from common.settings import same_setting, setting
+from services.engine.config import EngineConfig, default_num_threads
 
 if TYPE_CHECKING:
     from services.engine.llm_engine import LLMEngine
+
+# numpy (and asyncio) are imported where they are used: `pdserve` builds ProfileConfig's flags
+# (`pdserve plan`) for every command, the numpy-free router included.
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,8 @@ class ThreadProfile:
         as attention costs per context token; below the smallest: its time). See
         :meth:`batch_curves`.
         """
+        import numpy as np
+
         curves = self.batch_curves
         contexts = sorted(curves)
         at = [interpolate(batch_size, *curves[c]) for c in contexts]
@@ -121,6 +126,8 @@ def isotonic(values: list[float]) -> list[float]:
 
 def interpolate(x: float, xs: list[float], ys: list[float]) -> float:
     """Piecewise-linear through the points; beyond the last one, the last segment's slope."""
+    import numpy as np
+
     if len(xs) > 1 and x > xs[-1]:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         return ys[-1] + max(slope, 0.0) * (x - xs[-1])
@@ -188,20 +195,35 @@ class WorkerProfile:
 # -- measuring ----------------------------------------------------------------------------------
 
 
+def default_profile_threads() -> tuple[int, ...]:
+    """1 and the cores this process may use: a one-thread worker, and one on every core."""
+    return tuple(sorted({1, default_num_threads()}))
+
+
 @dataclass(frozen=True)
 class ProfileConfig:
-    """What to measure; the defaults take about 1.5 min on 2 idle cores (SmolLM2-135M)."""
+    """What to measure; the defaults take about 1.5 min on 2 idle cores (SmolLM2-135M). Its
+    settings are `pdserve plan --measure`'s flags."""
 
-    threads: tuple[int, ...] = (1, 2)
-    prefill_tokens: tuple[int, ...] = (32, 64, 128, 256, 512, 1024, 2048)
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16, 32, 64)
-    contexts: tuple[int, ...] = (32, 1024)  # attention is linear in the context between
-    transfer_tokens: tuple[int, ...] = (256, 1024, 2048)
-    repeats: int = 3  # prefill runs per point and pass (the median is kept)
+    threads: tuple[int, ...] = setting(
+        help="torch thread counts to profile (1 and the cores this process may use, unless given)",
+        flag="--profile-threads",
+        default_factory=default_profile_threads,
+    )
+    prefill_tokens: tuple[int, ...] = setting(
+        (32, 64, 128, 256, 512, 1024, 2048), "prompt lengths to time"
+    )
+    batch_sizes: tuple[int, ...] = setting(
+        (1, 2, 4, 6, 8, 12, 16, 32, 64), "decode batch sizes to time"
+    )
+    # Attention is linear in the context between the measured ones.
+    contexts: tuple[int, ...] = setting((32, 1024), "decode context lengths to time")
+    transfer_tokens: tuple[int, ...] = setting((256, 1024, 2048), "KV pull sizes to time")
+    repeats: int = setting(3, "prefill runs per point and pass (the median is kept)")
     decode_steps: int = 3  # timed decode steps per point and pass, after one untimed step
     passes: int = 2  # over the whole grid; the lowest per-pass median is kept
-    model: str | None = None
-    cache_dir: Path | None = None
+    model: str | None = same_setting(EngineConfig, "model")
+    cache_dir: str | None = same_setting(EngineConfig, "cache_dir")
     kv_cache_memory_bytes: int = 1 << 30  # the workers' default pool
 
     def __post_init__(self) -> None:
@@ -361,6 +383,10 @@ def measure_transfer(
     the median of ``repeats`` pulls (after one untimed), then ``seconds = latency + bytes / bw``
     is fitted over the sizes.
     """
+    import asyncio
+
+    import numpy as np
+
     from kvtransfer import KVLayout, make_client
     from kvtransfer.server_process import ServerProcess, ServerSpec
 
@@ -402,7 +428,7 @@ def measure_profile(config: ProfileConfig, show_progress: bool = True) -> Worker
     import torch
     from tqdm import tqdm
 
-    from services.engine.config import CacheConfig, EngineConfig
+    from services.engine.config import CacheConfig
     from services.engine.llm_engine import LLMEngine
     from services.engine.model_runner import kv_bytes_per_block
 
@@ -411,7 +437,7 @@ def measure_profile(config: ProfileConfig, show_progress: bool = True) -> Worker
     previous_threads = torch.get_num_threads()
     engine_config = EngineConfig(
         model=config.model,
-        cache_dir=str(config.cache_dir) if config.cache_dir else None,
+        cache_dir=config.cache_dir,
         num_threads=max(config.threads),
         cache=CacheConfig(
             enable_prefix_caching=False, kv_cache_memory_bytes=config.kv_cache_memory_bytes

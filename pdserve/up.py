@@ -42,12 +42,13 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from common.settings import setting, to_flags
+from common.settings import same_setting, setting, shared_with, to_flags
+from common.shared_settings import ClusterSettings, TracingSettings
 from pdserve.supervisor import Restartable, Supervisor
 from router.config import RouterConfig
 from services.engine.config import EngineConfig, default_num_threads
@@ -69,22 +70,23 @@ class _ForceStop(BaseException):
     """A second signal arrived while stopping: kill instead of waiting."""
 
 
-# Router settings `up` decides itself (addresses, the model, tracing, secrets) or hands over
+# Router settings `up` decides itself (addresses, the registry, tracing, secrets) or hands over
 # otherwise (the API key goes by environment, not by a flag visible in `ps`).
-ROUTER_SKIP = (
+ROUTER_OWN = (
     "host",
     "port",
     "redis_url",
     "redis_password",
     "redis_prefix",
-    "model",
-    "cache_dir",
-    "max_model_len",
     "trace_file",
     "otlp_endpoint",
     "cluster_token",
     "insecure",
 )
+# The router's settings that are the engine's (the model, its cache, the context length): given
+# to `up` once, as engine settings, and handed to the router as well as to the workers.
+ROUTER_FROM_ENGINE = shared_with(RouterConfig, EngineConfig)
+ROUTER_SKIP = (*ROUTER_OWN, *ROUTER_FROM_ENGINE)  # no flags of their own in `up`
 
 
 @dataclass(frozen=True)
@@ -104,11 +106,9 @@ class UpConfig:
     )
     ready_timeout: float = setting(180.0, "seconds to wait for the router's /ready")
     restart: bool = setting(False, "restart a component that exits, with a growing backoff")
-    insecure: bool = setting(
-        False, "run the internal plane without a cluster token and Redis without a password"
-    )
-    trace_file: str | None = setting(
-        None, "every component appends its OpenTelemetry spans to this file as JSON lines"
+    insecure: bool = same_setting(ClusterSettings, "insecure", note="and Redis without a password")
+    trace_file: str | None = same_setting(
+        TracingSettings, "trace_file", note="one file for every component"
     )
     verbose: bool = setting(False, "show every component's log lines here, not in --log-file")
     log_file: str | None = setting(
@@ -176,20 +176,14 @@ class UpConfig:
         ``port`` replaces ``--port`` (a restarted router keeps the port it had)."""
         port = self.port if port is None else port
         args = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url]
-        engine = self.engine
-        args += _optional("--model", engine.model) + _optional("--cache-dir", engine.cache_dir)
-        args += _optional("--max-model-len", engine.max_model_len)
-        args += to_flags(self.router, skip=(*ROUTER_SKIP, "api_key"))
+        router = replace(self.router, **{n: getattr(self.engine, n) for n in ROUTER_FROM_ENGINE})
+        args += to_flags(router, skip=(*ROUTER_OWN, "api_key"))
         return args + self._trace_args()
 
 
 def default_log_path(cache_dir: Path) -> Path:
     """Where a quiet `pdserve up` writes its components' log lines."""
     return cache_dir / "logs" / f"up-{time.strftime('%Y%m%d-%H%M%S')}.log"
-
-
-def _optional(flag: str, value: object) -> list[str]:
-    return [] if value is None else [flag, str(value)]
 
 
 def _exit_text(code: int | None) -> str:

@@ -1,12 +1,16 @@
 """Settings of the gateway/router, declared once (``common.settings``): `pdserve router` builds
-its flags and ``PDSERVE_*`` variables from these fields; tests build the object directly."""
+its flags and ``PDSERVE_*`` variables from these fields; tests build the object directly. The
+settings it shares with the workers (registry, cluster token, tracing: ``common.shared_settings``)
+and with the engine (the model) are declared there and taken with ``same_setting``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.settings import parse_size, secret, setting
+from common.settings import parse_size, same_setting, setting
+from common.shared_settings import ClusterSettings, RegistrySettings, TracingSettings
 from router.disaggregation import DISAGGREGATION_POLICIES
+from services.engine.config import EngineConfig
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
 LIMITS = (
@@ -27,23 +31,21 @@ LIMITS = (
 class RouterConfig:
     host: str = setting("127.0.0.1", "bind address")
     port: int = setting(8000, "HTTP port (0: any free port; the ready line says which)")
-    redis_url: str = setting(
-        "redis://127.0.0.1:6379/0", "the registry (redis://[:PASSWORD@]HOST:PORT/DB)"
-    )
-    redis_password: str | None = secret("the Redis password", "--redis-password-file")
-    redis_prefix: str = setting("pdserve:", "namespace of the registry's keys")
-    model: str | None = setting(
-        None, "the model the workers serve: its tokenizer and chat template (none: SmolLM2)"
+    redis_url: str = same_setting(RegistrySettings, "redis_url")
+    redis_password: str | None = same_setting(RegistrySettings, "redis_password")
+    redis_prefix: str = same_setting(RegistrySettings, "redis_prefix")
+    model: str | None = same_setting(
+        EngineConfig,
+        "model",
+        note="the workers' model: the router loads its tokenizer and chat template",
     )
     served_model_name: str | None = setting(None, "the model's id in the API (none: its name)")
-    cache_dir: str | None = setting(None, "where a GGUF model's conversion is cached")
+    cache_dir: str | None = same_setting(EngineConfig, "cache_dir")
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on /v1/* (better given by env than by flag)"
     )
-    cluster_token: str | None = secret(
-        "the shared secret of router and workers", "--cluster-token-file"
-    )
-    insecure: bool = setting(False, "call the workers without a cluster token")
+    cluster_token: str | None = same_setting(ClusterSettings, "cluster_token")
+    insecure: bool = same_setting(ClusterSettings, "insecure")
     prefill_policy: str = setting(
         "prefix_aware", "routing policy of the prefill pool", choices=POLICY_NAMES
     )
@@ -101,19 +103,19 @@ class RouterConfig:
     max_request_output_tokens: int = setting(
         262144, "tokens one request may generate: max_tokens x n, all its prompts together"
     )
-    max_model_len: int | None = setting(None, "context length (none: the model's own)")
+    max_model_len: int | None = same_setting(EngineConfig, "max_model_len")
     max_attempts: int = setting(3, "tries per pool before the first token reaches the client")
     prefill_timeout_seconds: float = setting(120.0, "seconds a Prefill call may take")
     request_timeout_seconds: float = setting(600.0, "seconds a whole request may take")
     refresh_seconds: float = setting(0.5, "registry view refresh period")
-    ttl_seconds: float = setting(
-        5.0, "the workers' registry TTL (how long a view survives a Redis outage)"
+    ttl_seconds: float = same_setting(
+        RegistrySettings,
+        "ttl_seconds",
+        note="the router keeps its view this long through a Redis outage",
     )
     retry_after_seconds: int = setting(1, "Retry-After of 429 and 503 answers")
-    trace_file: str | None = setting(
-        None, "append finished OpenTelemetry spans to this file as JSON lines"
-    )
-    otlp_endpoint: str | None = setting(None, "export spans with OTLP/gRPC to this collector")
+    trace_file: str | None = same_setting(TracingSettings, "trace_file")
+    otlp_endpoint: str | None = same_setting(TracingSettings, "otlp_endpoint")
     log_requests: bool = setting(
         False, "log each prompt's text (off by default: prompts may be private)"
     )

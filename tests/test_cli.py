@@ -131,3 +131,109 @@ def test_secrets_come_from_the_environment_or_a_file(tmp_path):
     empty.write_text("")
     with pytest.raises(ValueError, match="the secret file .* is empty"):
         router_config_from_args(parse(["router", "--cluster-token-file", str(empty)], {}))
+
+
+def test_shared_settings_are_declared_once_with_the_same_flags_and_variables():
+    import dataclasses
+
+    from common.settings import flag_of, same_setting, settings_of
+    from common.shared_settings import ClusterSettings, RegistrySettings, TracingSettings
+    from pdserve.cli import parse, router_config_from_args, worker_config_from_args
+    from pdserve.profile import ProfileConfig
+    from pdserve.up import UpConfig
+    from router.config import RouterConfig
+    from services.engine.config import EngineConfig
+    from services.worker.config import WorkerConfig
+
+    origins = (RegistrySettings, ClusterSettings, TracingSettings, EngineConfig)
+    shared = 0
+    for config in (RouterConfig, WorkerConfig, UpConfig, ProfileConfig):
+        for path, f, spec, _ in settings_of(config, nested=False):
+            if "same_as" not in f.metadata:
+                continue
+            origin, name = f.metadata["same_as"]
+            assert origin in origins and name == path
+            [mine] = [o for o in settings_of(origin) if o[0] == name]
+            assert flag_of(name, spec) == flag_of(name, mine[2])  # so the same PDSERVE_* name
+            assert spec.help.startswith(mine[2].help)  # a component may add a note
+            shared += 1
+    assert shared >= 20
+    with pytest.raises(TypeError, match="no setting"):
+        same_setting(RegistrySettings, "redis_host")
+
+    @dataclasses.dataclass
+    class Misnamed:
+        url: str = same_setting(RegistrySettings, "redis_url")
+
+    with pytest.raises(TypeError, match="is RegistrySettings.redis_url"):
+        list(settings_of(Misnamed))
+
+    env = {
+        "PDSERVE_REDIS_URL": "redis://r:1/0",
+        "PDSERVE_REDIS_PREFIX": "p:",
+        "PDSERVE_TTL_SECONDS": "3",
+        "PDSERVE_TRACE_FILE": "t.jsonl",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4317",
+        "PDSERVE_INSECURE": "1",
+        "PDSERVE_MODEL": "m",
+        "PDSERVE_CLUSTER_TOKEN": "tok",
+    }
+    router = router_config_from_args(parse(["router"], env))
+    worker = worker_config_from_args("decode", parse(["decode"], env))
+    for name in ("redis_url", "redis_prefix", "ttl_seconds", "trace_file", "otlp_endpoint"):
+        assert getattr(router, name) == getattr(worker, name), name
+    assert (router.otlp_endpoint, router.ttl_seconds, router.model) == ("http://otel:4317", 3, "m")
+    assert router.insecure and worker.insecure and worker.cluster_token == "tok"
+    assert worker.engine.model == "m"
+    assert WorkerConfig("decode").redis_url is None  # the worker's own default: not registered
+    assert RouterConfig().redis_url == "redis://127.0.0.1:6379/0"
+
+
+def test_up_hands_the_engines_model_settings_to_the_router():
+    from pdserve.cli import parse, up_config_from_args
+
+    argv = "up --model m --cache-dir /c --max-model-len 99 --max-prompts 3".split()
+    args = up_config_from_args(parse(argv, {})).router_args("redis://x")
+    for flag in (["--model", "m"], ["--cache-dir", "/c"], ["--max-model-len", "99"]):
+        assert any(args[i : i + 2] == flag for i in range(len(args))), args
+    assert args.count("--model") == 1 and "--max-prompts" in args
+    assert "--model" not in up_config_from_args(parse(["up"], {})).router_args("redis://x")
+
+
+def test_plan_and_generate_flags_come_from_their_configs():
+    import argparse
+
+    from common.settings import build, flag_of, settings_of, to_flags
+    from pdserve.cli import GenerateConfig, PlanConfig, make_parser, parse
+    from pdserve.profile import ProfileConfig
+
+    commands = next(
+        a for a in make_parser({})._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    options = {o for a in commands.choices["plan"]._actions for o in a.option_strings}
+    assert {flag_of(f.name, spec) for _, f, spec, _ in settings_of(PlanConfig)} <= options
+
+    env = {"PDSERVE_TTFT_SLO": "500", "PDSERVE_BATCH_SIZES": "1, 4", "PDSERVE_MODEL": "m"}
+    argv = ["plan", "--measure", "--tpot-slo", "150", "--preset", "chatbot"]
+    argv += ["--prefill-tokens", "16", "256", "--prefill-tokens", "512", "--cache-dir", "/c"]
+    config = build(PlanConfig, parse(argv, env))
+    assert (config.ttft_slo, config.tpot_slo, config.slo.statistic) == (500, 150, "p90")
+    assert config.measuring == ProfileConfig(
+        prefill_tokens=(16, 256, 512), batch_sizes=(1, 4), model="m", cache_dir="/c"
+    )
+    assert config.workload.name == "chatbot"
+    again = build(PlanConfig, parse(["plan", *to_flags(config)], {}))
+    assert again == config
+    with pytest.raises(ValueError, match="give either --profile FILE or --measure"):
+        build(PlanConfig, parse(["plan", "--tpot-slo", "1", "--preset", "mixed"], env))
+    with pytest.raises(SystemExit):  # the SLOs are required
+        parse(["plan", "--measure", "--preset", "mixed"], {})
+
+    args = parse(["generate", "--stop", "a", "--stop", "b,c", "--json", "one", "two"], {})
+    config = build(GenerateConfig, args)
+    assert args.prompt == ["one", "two"] and config.stop == ("a", "b,c") and config.json
+    assert config.sampling_params().stop == ["a", "b,c"]
+    env = {"PDSERVE_MAX_TOKENS": "5", "PDSERVE_STOP": "x"}
+    assert build(GenerateConfig, parse(["generate"], env)) == GenerateConfig(
+        max_tokens=5, stop=("x",)
+    )

@@ -6,7 +6,8 @@ import ipaddress
 import socket
 from dataclasses import dataclass, field
 
-from common.settings import secret, setting
+from common.settings import same_setting, setting
+from common.shared_settings import ClusterSettings, RegistrySettings, TracingSettings
 from services.engine.config import EngineConfig
 
 ROLES = ("prefill", "decode", "colocated")
@@ -56,21 +57,16 @@ class WorkerConfig:
     kv_transport: str = setting(
         "tcp", "how KV blocks move (shm: peers on the same host only)", choices=TRANSPORTS
     )
-    redis_url: str | None = setting(
-        None, "the registry (redis://[:PASSWORD@]HOST:PORT/DB); none: the worker does not register"
+    redis_url: str | None = same_setting(
+        RegistrySettings, "redis_url", default=None, note="none: the worker does not register"
     )
-    redis_password: str | None = secret("the Redis password", "--redis-password-file")
-    redis_prefix: str = setting("pdserve:", "namespace of the registry's keys")
+    redis_password: str | None = same_setting(RegistrySettings, "redis_password")
+    redis_prefix: str = same_setting(RegistrySettings, "redis_prefix")
     heartbeat_seconds: float = setting(1.0, "seconds between registry heartbeats")
-    ttl_seconds: float = setting(5.0, "seconds a registry record outlives its last heartbeat")
+    ttl_seconds: float = same_setting(RegistrySettings, "ttl_seconds")
     worker_id: str | None = setting(None, "this worker's id (none: role + random suffix)")
-    cluster_token: str | None = secret(
-        "the shared secret of router and workers", "--cluster-token-file"
-    )
-    insecure: bool = setting(
-        False,
-        "serve gRPC and KV transfer without a cluster token (anyone who reaches them may use them)",
-    )
+    cluster_token: str | None = same_setting(ClusterSettings, "cluster_token")
+    insecure: bool = same_setting(ClusterSettings, "insecure")
     lease_seconds: float = setting(
         5.0, "prefill: pinned KV blocks are freed this long after the answer unless renewed"
     )
@@ -94,10 +90,8 @@ class WorkerConfig:
     drain_seconds: float = setting(
         30.0, "on SIGTERM: how long in-flight requests may take to finish"
     )
-    trace_file: str | None = setting(
-        None, "append finished OpenTelemetry spans to this file as JSON lines"
-    )
-    otlp_endpoint: str | None = setting(None, "export spans with OTLP/gRPC to this collector")
+    trace_file: str | None = same_setting(TracingSettings, "trace_file")
+    otlp_endpoint: str | None = same_setting(TracingSettings, "otlp_endpoint")
     kv_faults: str | None = setting(
         None, "testing only: fail served KV pulls on purpose, e.g. 'drop=0.1,corrupt=0.1'"
     )
