@@ -17,6 +17,7 @@ Medians of --repeats timed runs after one warm-up, with --threads torch threads.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -31,8 +32,9 @@ from machine import (  # benchmarks/machine.py (this folder is on sys.path)
 from torch import nn
 from tqdm import tqdm
 
+from common.settings import add_settings, build, settings_of
 from kernels import cpu_ops, reference
-from services.engine.config import default_num_threads
+from services.engine.config import EngineConfig, default_num_threads
 from services.engine.model.packed_linear import PackedLinear
 
 LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536
@@ -75,7 +77,7 @@ def gemm_rows(rows: list[int], repeats: int) -> list[tuple[int, float, float]]:
 
 
 def attention_rows(
-    batches: list[int], contexts: list[int], repeats: int
+    kernel: cpu_ops.CpuKernels, batches: list[int], contexts: list[int], repeats: int
 ) -> list[tuple[int, int, float, float, float]]:
     """(B, C, reference ms, kernel ms, max abs difference) for one step (all layers)."""
     block_bytes = LAYERS * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * 4
@@ -97,9 +99,9 @@ def attention_rows(
         query = torch.randn(batch, NUM_HEADS, HEAD_DIM)
 
         ref = partial(_step, reference.paged_attention_decode, caches, query, tables, lens, scale)
-        kernel = partial(_step, cpu_ops.paged_attention_decode, caches, query, tables, lens, scale)
-        diff = max(float((a - b).abs().max()) for a, b in zip(ref(), kernel()))
-        ref_ms, kernel_ms = median_ms(ref, repeats), median_ms(kernel, repeats)
+        compiled = partial(_step, kernel.paged_attention_decode, caches, query, tables, lens, scale)
+        diff = max(float((a - b).abs().max()) for a, b in zip(ref(), compiled()))
+        ref_ms, kernel_ms = median_ms(ref, repeats), median_ms(compiled, repeats)
         results.append((batch, context, ref_ms, kernel_ms, diff))
     return results
 
@@ -111,7 +113,12 @@ def main() -> int:
     parser.add_argument("--contexts", default="64,256,1024", help="context lengths C (tokens)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=default_num_threads())
+    # The engine's own settings that place and build the kernel: --cache-dir, --cpu-kernels-cc.
+    others = [name for name, *_ in settings_of(EngineConfig, nested=False)]
+    skip = tuple(name for name in others if name not in ("cache_dir", "cpu_kernels_cc"))
+    add_settings(parser, EngineConfig, os.environ, skip=skip, nested=False)
     args = parser.parse_args()
+    config = build(EngineConfig, args)
     torch.set_num_threads(args.threads)
     info = machine_info(args.threads)
     print(f"$ python {shlex.join(sys.argv)}")
@@ -119,7 +126,8 @@ def main() -> int:
         f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
         f"({args.threads} threads), load avg {info['load_avg_1m_at_start']}"
     )
-    if cpu_ops.load() is None:
+    kernel = cpu_ops.load(config.cache_path / "kernels", config.cpu_kernels_cc)
+    if kernel is None:
         print("the compiled kernel is unavailable here (no C compiler?): nothing to compare")
         return 1
     ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
@@ -137,7 +145,7 @@ def main() -> int:
     header = ("B", 4), ("C", 6), ("reference ms", 13), ("kernel ms", 10), ("speedup", 8)
     print(" ".join(f"{name:>{width}}" for name, width in header), f"{'max |diff|':>11}")
     with torch.inference_mode():
-        rows = attention_rows(ints(args.batches), ints(args.contexts), args.repeats)
+        rows = attention_rows(kernel, ints(args.batches), ints(args.contexts), args.repeats)
     for b, c, ref_ms, kernel_ms, diff in rows:
         speedup = ref_ms / kernel_ms
         print(f"{b:>4} {c:>6} {ref_ms:>13.1f} {kernel_ms:>10.1f} {speedup:>7.2f}x {diff:>11.1e}")

@@ -1,10 +1,13 @@
 """The compiled CPU path: paged decode attention that reads KV blocks in place.
 
 ``kernels/csrc/paged_attention_cpu.c`` is built once per machine with the system C compiler
-(``-O3 -march=native``) into the cache directory and loaded with ctypes; nothing is compiled at
-install time, so a wheel or image built on one CPU still runs on another. Where no compiler is
-found (or ``PDSERVE_CPU_KERNELS=0``), ``load()`` returns None and the CPU path stays the
-vectorized PyTorch reference, which computes the same attention.
+(``-O3 -march=native``) into a build directory and loaded with ctypes; nothing is compiled at
+install time, so a wheel or image built on one CPU still runs on another. ``load(build_dir)``
+returns the library as a kernel backend (``CpuKernels``) to pass as ``backend=`` to the
+``kernels`` functions, or None where no compiler is found or the build fails; the caller then
+keeps the vectorized PyTorch reference, which computes the same attention. The engine decides
+(``EngineConfig.cpu_kernels``, ``cache_dir``, ``cpu_kernels_cc``); nothing here reads the
+environment.
 
 Only decode attention is compiled: it runs every step for every sequence and, done with PyTorch
 ops, copies each sequence's whole context out of the cache (``reference.gather_blocks``) per
@@ -21,7 +24,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -34,14 +37,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 MAX_GROUP = 64  # query heads per KV head the C kernel accepts
 LANES, MAX_HEAD_DIM = 16, 256  # head_dim: a multiple of the kernel's vector width, at most this
-
-write_kv = reference.write_kv
-paged_attention_prefill = reference.paged_attention_prefill
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve"
-    return Path(root) / "kernels"
+COMPILERS = ("cc", "gcc", "clang")  # tried in this order when none is named
 
 
 def _cpu_signature() -> str:
@@ -54,11 +50,14 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
+def find_compiler(preferred: str | None = None) -> str | None:
+    """``preferred`` where it is on PATH (a warning where it is not), else the first of
+    ``COMPILERS`` that is, else None."""
+    if preferred:
+        if shutil.which(preferred):
+            return preferred
+        logger.warning("C compiler %r not found: trying %s", preferred, ", ".join(COMPILERS))
+    return next((name for name in COMPILERS if shutil.which(name)), None)
 
 
 def build(compiler: str, out_dir: Path) -> Path:
@@ -83,27 +82,25 @@ def build(compiler: str, out_dir: Path) -> Path:
     return target
 
 
-@lru_cache(maxsize=1)
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None where it cannot be built (the reason is logged)."""
-    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = _compiler()
-    if compiler is None:
+@cache
+def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
+    """The kernel built under ``build_dir`` (compiled there on first use) with ``compiler`` (None:
+    the first of ``COMPILERS`` on PATH), or None where it cannot be built (the reason is logged).
+
+    Memoized per (directory, compiler): a loaded shared library stays for the process's life, so
+    each is loaded once and shared by every engine that names it.
+    """
+    found = find_compiler(compiler)
+    if found is None:
         logger.warning("no C compiler found: CPU decode attention uses the PyTorch reference")
         return None
     try:
-        lib = ctypes.CDLL(str(build(compiler, cache_dir())))
+        library = build(found, Path(build_dir))
+        return CpuKernels(ctypes.CDLL(str(library)), library)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         logger.warning("CPU attention kernel not built (%s): using the PyTorch reference", detail)
         return None
-    fn = lib.paged_attention_decode_f32
-    i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, i32]
-    fn.argtypes += [ctypes.c_float, ptr, i32]
-    fn.restype = ctypes.c_int
-    return lib
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -119,59 +116,78 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
         and num_heads // num_kv_heads <= MAX_GROUP
         and head_dim % LANES == 0
         and head_dim <= MAX_HEAD_DIM
-        and load() is not None
     )
 
 
-def paged_attention_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    max_context_len: int | None = None,
-) -> torch.Tensor:
-    """Same contract as ``reference.paged_attention_decode``; other dtypes and layouts go there."""
-    if not supports(query, key_cache, value_cache):
-        return reference.paged_attention_decode(
-            query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+class CpuKernels:
+    """A loaded kernel library as a ``kernels`` backend: decode attention compiled (other dtypes
+    and layouts, see ``supports``, go to the reference), the KV write and prefill the reference."""
+
+    write_kv = staticmethod(reference.write_kv)
+    paged_attention_prefill = staticmethod(reference.paged_attention_prefill)
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.lib, self.path = lib, path
+        fn = lib.paged_attention_decode_f32
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, i32]
+        fn.argtypes += [ctypes.c_float, ptr, i32]
+        fn.restype = ctypes.c_int
+        self._decode = fn
+
+    def __repr__(self) -> str:
+        return f"CpuKernels({str(self.path)!r})"
+
+    def paged_attention_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        max_context_len: int | None = None,
+    ) -> torch.Tensor:
+        """Same contract as ``reference.paged_attention_decode``."""
+        if not supports(query, key_cache, value_cache):
+            return reference.paged_attention_decode(
+                query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
+            )
+        num_seqs, num_heads, head_dim = query.shape
+        q = query.to(torch.float32).contiguous()
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = context_lens.to(torch.int32).contiguous()
+        max_len = (
+            int(lens.max()) if max_context_len is None and num_seqs else (max_context_len or 0)
         )
-    lib = load()
-    assert lib is not None
-    num_seqs, num_heads, head_dim = query.shape
-    q = query.to(torch.float32).contiguous()
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = context_lens.to(torch.int32).contiguous()
-    max_len = int(lens.max()) if max_context_len is None and num_seqs else (max_context_len or 0)
-    block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
-    # The C kernel trusts its indices: check them here rather than read out of bounds.
-    if num_seqs and int(lens.clamp(max=max_len).max()) > tables.shape[-1] * block_size:
-        raise ValueError("block_tables has fewer blocks than the context lengths need")
-    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
-        raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
-    block_stride, token_stride, head_stride, _ = key_cache.stride()
-    status = lib.paged_attention_decode_f32(
-        q.data_ptr(),
-        key_cache.data_ptr(),
-        value_cache.data_ptr(),
-        block_stride,
-        token_stride,
-        head_stride,
-        tables.data_ptr(),
-        tables.shape[-1],
-        lens.data_ptr(),
-        max_len,
-        num_seqs,
-        num_heads,
-        key_cache.shape[2],
-        head_dim,
-        block_size,
-        scale,
-        out.data_ptr(),
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise RuntimeError(f"CPU paged attention kernel failed (status {status})")
-    return out.to(query.dtype)
+        block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
+        # The C kernel trusts its indices: check them here rather than read out of bounds.
+        if num_seqs and int(lens.clamp(max=max_len).max()) > tables.shape[-1] * block_size:
+            raise ValueError("block_tables has fewer blocks than the context lengths need")
+        if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+            raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+        block_stride, token_stride, head_stride, _ = key_cache.stride()
+        status = self._decode(
+            q.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_stride,
+            token_stride,
+            head_stride,
+            tables.data_ptr(),
+            tables.shape[-1],
+            lens.data_ptr(),
+            max_len,
+            num_seqs,
+            num_heads,
+            key_cache.shape[2],
+            head_dim,
+            block_size,
+            scale,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"CPU paged attention kernel failed (status {status})")
+        return out.to(query.dtype)

@@ -132,7 +132,7 @@ class MalformedMessageInterceptor(grpc.aio.ServerInterceptor):
 
 def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fingerprint:
     """What must be equal for a prefill and a decode worker to exchange KV."""
-    cfg = engine.model.config
+    cfg = engine.model_config
     model_dir = engine.model_dir
     source = model_dir / "pdserve_source.json"
     if source.exists():
@@ -167,7 +167,7 @@ class Worker:
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = WorkerMetrics(config.role, self.async_engine.stats)
         self.transfer_metrics = kvtransfer.TransferMetrics(self.metrics.registry)
-        cfg = self.engine.model.config
+        cfg = self.engine.model_config
         self.layout = KVLayout(
             cfg.num_layers,
             cfg.num_kv_heads,
@@ -226,7 +226,7 @@ class Worker:
                 "grpc_address": grpc_address,
                 "kv_address": kv_address,
                 "metrics_port": metrics_port,
-                "num_blocks": self.engine.pool.num_blocks,
+                "num_blocks": self.engine.num_blocks,
             }
         )
         await self._stop.wait()
@@ -247,9 +247,7 @@ class Worker:
             def on_unpin(request_id: str) -> None:  # from any thread: a transfer's or ours
                 loop.call_soon_threadsafe(self._free_pinned, request_id)
 
-            leases = TensorBlockSource(
-                self.engine.runner.kv_cache, cfg.lease_seconds, on_unpin=on_unpin
-            )
+            leases = TensorBlockSource(self.engine.kv_cache, cfg.lease_seconds, on_unpin=on_unpin)
             options: dict[str, Any] = {
                 "metrics": self.transfer_metrics,
                 "faults": kvtransfer.KVFaults.parse(cfg.kv_faults),  # None: off (the default)
@@ -305,7 +303,7 @@ class Worker:
             kv_transport=cfg.kv_transport,
             model=self.fingerprint.model_id,
             fingerprint=self.fingerprint,
-            kv_blocks_total=self.engine.pool.num_blocks,
+            kv_blocks_total=self.engine.num_blocks,
         )
         self.registration = WorkerRegistration(registry, record, self._load)
         await self.registration.register()
@@ -328,7 +326,7 @@ class Worker:
         assert self.registration is not None
         while True:
             await asyncio.sleep(interval)
-            await self.registration.publish_prefix_hashes(self.engine.pool.cached_block_hashes)
+            await self.registration.publish_prefix_hashes(self.engine.cached_block_hashes())
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -145,6 +145,14 @@ class EngineConfig:
     cache_dir: str | None = setting(
         None, "converted models and compiled CPU kernels (none: ~/.cache/pdserve)"
     )
+    cpu_kernels: bool = setting(
+        True,
+        "compile the CPU decode-attention kernel at first start, into <cache-dir>/kernels "
+        "(off: the PyTorch reference)",
+    )
+    cpu_kernels_cc: str | None = setting(
+        None, "C compiler that builds the CPU kernel (none: cc, gcc or clang, the first on PATH)"
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

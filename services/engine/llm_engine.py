@@ -1,9 +1,11 @@
 """The engine: requests in, token outputs out, one ``step()`` at a time.
 
-A short coordinator over small parts: the scheduler picks the batch, the model runner computes
-it, the sampler picks tokens, the output processor turns them into text deltas and applies the
-stop conditions, and the KV hand-off keeps the disaggregation states (pinned / pulling). No I/O;
-the services wrap it with gRPC, the offline ``LLM`` with a loop.
+A short coordinator over small parts: the request builder checks what comes in and makes the
+sequences (n > 1 forks included), the scheduler picks the batch, the model runner computes it,
+the sampler picks tokens, the output processor turns them into text deltas and applies the stop
+conditions, and the KV hand-off keeps the disaggregation states (pinned / pulling) and the
+tokens a prefill worker sampled. No I/O; the services wrap it with gRPC, the offline ``LLM``
+with a loop.
 
 Request lifecycle: ``add_request`` (validated; nothing allocated on failure) -> waiting ->
 running (prefill chunks, then one token per step) -> finished (stop, length) or aborted; blocks
@@ -14,21 +16,21 @@ room -> pulling (``take_pull_plans``) -> ``commit_pull`` or ``recompute_pull`` -
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
 
 from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool, HostBlockPool
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, ModelConfig
 from services.engine.kv_handoff import KVHandoff, PullPlan
 from services.engine.model.loader import load_model
 from services.engine.model.source import resolve_model_dir
-from services.engine.model_runner import ModelRunner, kv_bytes_per_block
+from services.engine.model_runner import ModelRunner, attention_backend, kv_bytes_per_block
 from services.engine.output_processor import OutputProcessor, RequestState
 from services.engine.outputs import RequestOutput
-from services.engine.sampler import Sampler
+from services.engine.request_builder import RequestBuilder
+from services.engine.sampler import Sampler, SampleResult
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import FinishReason, Sequence
 from services.engine.stats import EngineStats
@@ -48,7 +50,7 @@ class LLMEngine:
         self.model = load_model(self.model_dir, dtype, config.device)
         mcfg = self.model.config
         self.tokenizer = Tokenizer(self.model_dir, mcfg.eos_token_ids)
-        cache = config.cache
+        cache, sched = config.cache, config.scheduler
         per_block = kv_bytes_per_block(self.model, cache.block_size, dtype)
         num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // per_block)
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -58,7 +60,6 @@ class LLMEngine:
             config.max_model_len or mcfg.max_position,
             num_blocks * cache.block_size,
         )
-        sched = config.scheduler
         budget = sched.max_num_batched_tokens
         if not sched.enable_chunked_prefill:  # then a whole prompt must fit in one step
             budget = max(budget, self.max_model_len)
@@ -72,14 +73,16 @@ class LLMEngine:
             config.device,
             cache.num_swap_blocks,
             cache.shared_memory_path,
+            attention=attention_backend(config),
         )
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.handoff = KVHandoff(self.scheduler, self.runner)
+        vocab = mcfg.vocab_size
+        self.builder = RequestBuilder(
+            self.tokenizer, vocab, self.max_model_len, self.outputs, self.pool, self.scheduler
+        )
+        self.handoff = KVHandoff(self.scheduler, self.runner, self.outputs, self._check_stop)
         self._requests: dict[str, RequestState] = {}
-        self._seq_ids = itertools.count()
-        self._pull_plans: list[PullPlan] = []
-        self._prefill_admissions: list[tuple[str, list[int]]] = []
 
     # ----- requests -------------------------------------------------------------------------
     def add_request(
@@ -101,9 +104,8 @@ class LLMEngine:
         if pin_blocks and params.n != 1:
             raise ValueError("n must be 1 for a prefill-only request")
         request = self._new_request(request_id, prompt, params)
-        seq = self._new_sequence(request, index=0)
+        seq = self.builder.first_sequence(request)
         seq.pin_blocks = pin_blocks
-        seq.num_forks_pending = params.n - 1
         self._requests[request_id] = request
         self.scheduler.add(seq)
         return request.seqs
@@ -120,30 +122,23 @@ class LLMEngine:
         scheduler admits it (``take_pull_plans``). Returns the final output at once when the
         first token alone ends the request.
 
-        The first token, sampled by the prefill worker, counts as already streamed. With n > 1
-        the last prompt token is computed here, so the other sequences can draw their own first
-        token from its logits, while sequence 0 keeps the one it was given. ``first_token`` None
-        (the KV is streamed, the prefill still runs): it comes with ``commit_pull``.
+        The first token, sampled by the prefill worker, counts as already streamed (see
+        ``KVHandoff.expect`` for n > 1). ``first_token`` None (the KV is streamed, the prefill
+        still runs): it comes with ``commit_pull``.
         """
         if first_token is not None:
-            self._check_token(first_token)
+            self.builder.check_token(first_token)
         request = self._new_request(request_id, prompt_token_ids, params)
-        seq = self._new_sequence(request, index=0)
-        if params.n > 1:
-            seq.forced_token, seq.forced_logprobs = first_token, first_logprobs
-            seq.num_forks_pending = params.n - 1
-        elif first_token is not None:
-            self._append_forced(request, seq, first_token, first_logprobs)
-        if seq.is_finished:  # the first token alone ended it; nothing to pull
-            return self.outputs.output(request)
+        self.builder.first_sequence(request)
+        if self.handoff.expect(request, first_token, first_logprobs):
+            return self.outputs.output(request)  # the first token alone ended it
         self._requests[request_id] = request
-        self.handoff.expect(seq)
         return None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final output (or None)."""
         request = self._requests.pop(request_id, None)
-        self.handoff.forget(request_id)  # pinned blocks no lease will cover, or a reservation
+        self.handoff.release(request_id)  # pinned blocks no lease will cover
         if request is None:
             return None
         for seq in request.seqs:
@@ -164,62 +159,59 @@ class LLMEngine:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
+    def _new_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> RequestState:
+        """A pinned request's id stays in use until its release: its lease names it."""
+        if request_id in self._requests or self.handoff.is_pinned(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return self.builder.build(request_id, prompt, params)
+
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return a delta for every request that advanced."""
         batch = self.scheduler.schedule()
-        self._pull_plans += self.handoff.plans(batch)
-        self._prefill_admissions += [(s.request_id, list(s.block_table)) for s in batch.prefills]
+        self.handoff.on_schedule(batch)
         if batch.is_empty:
             return []
         logits, seqs = self.runner.execute(batch)
         self.scheduler.on_step_done(batch)
         rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):
-            for child in self._fork(seq):
-                seqs.append(child)
-                rows.append(row)
+            if seq.num_forks_pending:  # n > 1: the forks sample from their parent's logits
+                children = self.builder.fork(self._requests[seq.request_id], seq)
+                seqs += children
+                rows += [row] * len(children)
         if not seqs:
             return []
-        sampled = self.sampler(logits[rows], seqs)
+        return self._process(seqs, self.sampler(logits[rows], seqs))
+
+    def _process(self, seqs: list[Sequence], sampled: SampleResult) -> list[RequestOutput]:
+        """Append each sequence's token (sampled, or forced: the prefill worker's), apply the
+        stops, pin the prefill-only ones; one delta per request, finished ones dropped."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         pinned: dict[str, list[int]] = {}
         for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
-            request = self._requests[seq.request_id]
+            request = touched[seq.request_id] = self._requests[seq.request_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.forced_token is not None:
-                self._append_forced(request, seq)
+                self.handoff.append_forced(request, seq)
             else:
                 seq.append_token(token, logprobs)
                 self._check_stop(request, seq)
             if seq.pin_blocks:  # kept after its first token, whatever it was
                 pinned[seq.request_id] = self.handoff.pin(seq)
                 self.sampler.forget(seq)
-            touched[seq.request_id] = request
         outputs = [self.outputs.output(r, pinned.get(rid)) for rid, r in touched.items()]
         for out in outputs:
             if out.finished:
                 del self._requests[out.request_id]
         return outputs
 
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """n > 1: once the prompt is computed, the other n - 1 sequences share its blocks."""
-        if not parent.num_forks_pending:
-            return []
-        request = self._requests[parent.request_id]
-        children = []
-        for index in range(1, parent.num_forks_pending + 1):
-            child = parent.fork(next(self._seq_ids), index)
-            self.pool.fork(parent, child)
-            self.scheduler.add_running(child)
-            self.outputs.register(request, child)
-            children.append(child)
-        parent.num_forks_pending = 0
-        return children
-
     def _check_stop(self, request: RequestState, seq: Sequence) -> None:
+        """Apply the stop conditions to ``seq``'s newest token, finishing it if one holds."""
         stopped = self.outputs.process_token(request, seq)
         if stopped is None:
             return
@@ -232,22 +224,6 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.scheduler.finish(seq, reason)
         self.sampler.forget(seq)
-
-    def _append_forced(
-        self,
-        request: RequestState,
-        seq: Sequence,
-        token: int | None = None,
-        logprobs: dict[int, float] | None = None,
-    ) -> None:
-        """Append a token sampled by the prefill worker; it was streamed already."""
-        if token is None:
-            token, logprobs = seq.forced_token, seq.forced_logprobs
-            seq.forced_token = seq.forced_logprobs = None
-        assert token is not None
-        seq.append_token(token, logprobs)
-        self._check_stop(request, seq)
-        self.outputs.mark_emitted(request, seq)
 
     # ----- disaggregation ---------------------------------------------------------------------
     def release_pinned(self, request_id: str) -> bool:
@@ -264,13 +240,11 @@ class LLMEngine:
     def take_prefill_admissions(self) -> list[tuple[str, list[int]]]:
         """Prefill side: (request id, the prompt's blocks) of the prefill-only requests
         admitted since the last call; their blocks are fixed from then on (streamed KV)."""
-        admitted, self._prefill_admissions = self._prefill_admissions, []
-        return admitted
+        return self.handoff.take_prefill_admissions()
 
     def take_pull_plans(self) -> list[PullPlan]:
         """Decode side: the requests admitted for a pull since the last call, with their plans."""
-        plans, self._pull_plans = self._pull_plans, []
-        return plans
+        return self.handoff.take_pull_plans()
 
     def commit_pull(
         self,
@@ -284,37 +258,54 @@ class LLMEngine:
         that first token alone ends the request (nothing runs here then)."""
         request = self._requests[plan.request_id]
         if first_token is not None:
-            self._check_token(first_token)
-            seq = request.seqs[0]
-            if request.params.n > 1:  # the last prompt token is computed here, for the forks
-                seq.forced_token, seq.forced_logprobs = first_token, first_logprobs
-            else:  # as if the router had sent it: computing goes on from the first token
-                self._append_forced(request, seq, first_token, first_logprobs)
-                if seq.is_finished:  # the scheduler freed its reservation
-                    self.handoff.forget(plan.request_id)
-                    del self._requests[plan.request_id]
-                    return self.outputs.output(request)
-        self.handoff.commit(plan, blocks)
-        return None
-
-    def _check_token(self, token: int) -> None:
-        """A token from the wire: the step loop must never see one outside the vocabulary."""
-        vocab = self.model.config.vocab_size
-        if not 0 <= token < vocab:
-            raise ValueError(f"first_token must be an integer in [0, {vocab}), got {token}")
+            self.builder.check_token(first_token)
+        if not self.handoff.commit(request, plan, blocks, first_token, first_logprobs):
+            return None
+        del self._requests[plan.request_id]
+        return self.outputs.output(request)
 
     def recompute_pull(self, request_id: str) -> None:
         """Decode side: the pull failed or will not happen: compute the prompt here instead."""
-        self.handoff.recompute(request_id)
+        self.handoff.recompute(self._requests[request_id])
 
-    # ----- state ------------------------------------------------------------------------------
+    # ----- state (read-only: what the services report and hand to the KV transports) --------
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.config
+
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks in the pool (the device cache's first dimension)."""
+        return self.pool.num_blocks
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The device KV cache, ``[num_blocks, ...]``: prefill workers lend blocks of it."""
+        return self.runner.kv_cache
+
+    def cached_block_hashes(self) -> list[int]:
+        """Hashes of the prefix-cached blocks (a copy), for prefix-aware routing."""
+        return self.pool.cached_block_hashes
+
+    def has_work(self) -> bool:
+        """Whether a step could do anything (PULLING sequences wait for their KV, PINNED ones
+        for their release: neither needs a step)."""
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def running_request_ids(self) -> set[str]:
+        return {seq.request_id for seq in self.scheduler.running}
+
     def stats(self) -> EngineStats:
         pool, sched = self.pool, self.scheduler
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
-            num_pulling=len(self.handoff.pulling),
-            num_pinned=len(self.handoff.pinned),
+            num_pulling=sched.num_kv_pending,
+            num_pinned=self.handoff.num_pinned,
             kv_blocks_total=pool.num_blocks,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_cached=pool.num_evictable_blocks,
@@ -324,37 +315,3 @@ class LLMEngine:
             prefix_cache_hits=pool.num_prefix_hit_tokens,
             num_preemptions=sched.num_preemptions,
         )
-
-    def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
-    ) -> RequestState:
-        if request_id in self._requests or request_id in self.handoff.pinned:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate_prompt(token_ids)
-        return RequestState(request_id, text, token_ids, params)
-
-    def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.model.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens; it must be shorter than the model's "
-                f"context (max_model_len={self.max_model_len})"
-            )
-
-    def _new_sequence(self, request: RequestState, index: int) -> Sequence:
-        seq = Sequence(
-            next(self._seq_ids),
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            arrival=time.monotonic(),
-            index=index,
-        )
-        self.outputs.register(request, seq)
-        return seq

@@ -8,12 +8,18 @@ sees strided ``[num_blocks, block_size, num_kv_heads, head_dim]`` views of its k
 The runner never touches queues: it turns a ``ScheduledBatch`` into flat input tensors, performs
 the block copies the scheduler asked for, runs the model and returns the logits of the sequences
 that complete this step (in the order of the returned list).
+
+Which attention kernels run is decided here, from the config (``attention_backend``): on CPU the
+compiled decode attention of ``kernels.cpu_ops``, built once under ``<cache_dir>/kernels``, unless
+``cpu_kernels`` is off or it cannot be built (then the PyTorch reference); on a GPU, Triton.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import Backend, cpu_ops
+from services.engine.config import EngineConfig
 from services.engine.model.llama import AttentionMetadata, LlamaModel
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
@@ -25,8 +31,21 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def attention_backend(config: EngineConfig) -> str | Backend | None:
+    """The attention kernels for ``config`` (``kernels``' ``backend``): on CPU the compiled
+    decode attention, loaded (compiled at first start) from ``<cache_dir>/kernels`` with
+    ``cpu_kernels_cc``, or ``"reference"`` where ``cpu_kernels`` is off or the build fails (a
+    warning says why); other devices: None, dispatch by device (CUDA: Triton)."""
+    if torch.device(config.device).type != "cpu":
+        return None
+    if not config.cpu_kernels:
+        return "reference"
+    return cpu_ops.load(config.cache_path / "kernels", config.cpu_kernels_cc) or "reference"
+
+
 class ModelRunner:
-    """Runs ``model`` over the paged KV cache it owns."""
+    """Runs ``model`` over the paged KV cache it owns, with the attention kernels ``attention``
+    (see ``attention_backend``; None: by device, which on CPU is the PyTorch reference)."""
 
     def __init__(
         self,
@@ -37,9 +56,11 @@ class ModelRunner:
         device: str = "cpu",
         num_swap_blocks: int = 0,
         shared_memory_path: str | None = None,
+        attention: str | Backend | None = None,
     ):
         cfg = model.config
         self.model = model
+        self.attention = attention
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, block_size, cfg.head_dim)
@@ -132,6 +153,7 @@ class ModelRunner:
             prefill_block_tables=self._block_tables([s for s, _ in prefills], prefill_lens),
             prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=dev),
+            backend=self.attention,
         )
 
     def _block_tables(self, seqs: list[Sequence], lens: list[int]) -> torch.Tensor:

@@ -91,6 +91,13 @@ class Scheduler:
         return len(self.waiting) + len(self.swapped) + len(self.pulling)
 
     @property
+    def num_kv_pending(self) -> int:
+        """Sequences whose prompt KV comes from elsewhere and is not in place yet: PULLING, or
+        WAITING to be admitted for it. Counted from the statuses (the one record of that state)
+        rather than tracked beside them; the waiting queue is short next to a step's work."""
+        return len(self.pulling) + sum(seq.kv_from_remote for seq in self.waiting)
+
+    @property
     def num_admitted(self) -> int:
         """What ``max_num_seqs`` bounds: running sequences and those about to run."""
         return len(self.running) + len(self.pulling)

@@ -233,7 +233,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             self._apply_pending()
-            if not self.engine.scheduler.has_unfinished:
+            if not self.engine.has_work():
                 self._wake.clear()
                 if not self._pending:
                     await self._wake.wait()
@@ -250,7 +250,7 @@ class AsyncEngine:
                     stream.put(output)
             admitted = self._deliver_plans()
             self._stats = self.engine.stats()
-            if not self.engine.scheduler.running and not admitted:  # nothing admissible now
+            if not self.engine.num_running and not admitted:  # nothing admissible now
                 self._wake.clear()
                 if not self._pending:
                     await _wait(self._wake, IDLE_POLL_SECONDS)
@@ -280,7 +280,7 @@ class AsyncEngine:
             self._stats = self.engine.stats()
 
     def _abort_all(self) -> list[RequestOutput]:
-        running = {s.request_id for s in self.engine.scheduler.running}
+        running = self.engine.running_request_ids()
         aborted = [self.engine.abort_request(rid) for rid in running]
         return [out for out in aborted if out is not None]
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from services.engine.sequence import SequenceStatus
 from tests.conftest import PROMPTS, assert_no_leaks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -216,3 +217,59 @@ def test_a_stop_string_starting_in_the_first_token_is_held_back_as_colocated(llm
     d_out = run_until_done(d_engine, "held")
     assert shown_by_prefill + d_out.outputs[0].text == colocated.outputs[0].text
     assert d_out.outputs[0].finish_reason == colocated.outputs[0].finish_reason == "stop"
+
+
+def test_the_sequence_status_is_the_handoff_state(pair):
+    """Pinned, queued for a pull, pulling, running: each is the sequence's status (with
+    ``kv_from_remote`` while queued), and the counts in the stats follow from it."""
+    p_engine, d_engine = pair
+    ids = p_engine.tokenizer.encode(PROMPTS[4])
+    p_out = prefill(p_engine, "st", ids, GREEDY)
+    assert p_engine.handoff.pinned["st"].status == SequenceStatus.PINNED
+    first = p_out.outputs[0].token_ids[0]
+    assert d_engine.add_prefilled_request("st", ids, first, GREEDY) is None
+    [seq] = d_engine.sequences("st")
+    assert seq.status == SequenceStatus.WAITING and seq.kv_from_remote
+    assert d_engine.stats().num_pulling == 1
+    plan = admit(d_engine, "st")
+    assert seq.status == SequenceStatus.PULLING and d_engine.stats().num_pulling == 1
+    source = torch.tensor([p_out.kv_block_ids[i] for i in plan.block_indices], dtype=torch.long)
+    d_engine.commit_pull(plan, p_engine.kv_cache[source].clone())
+    assert seq.status == SequenceStatus.RUNNING and not seq.kv_from_remote
+    assert d_engine.stats().num_pulling == 0
+    pinned = p_engine.handoff.pinned["st"]
+    assert p_engine.release_pinned("st") and pinned.status == SequenceStatus.FINISHED
+    run_until_done(d_engine, "st")
+
+
+def test_commit_or_recompute_of_a_request_not_pulling_is_a_key_error(pair):
+    """As before the pull states lived in the sequences: a second recompute, a commit after a
+    recompute, or either for an unknown request, raises KeyError and changes nothing."""
+    _, d_engine = pair
+    ids = d_engine.tokenizer.encode(PROMPTS[5])
+    d_engine.add_prefilled_request("kx", ids, 42, SamplingParams(max_tokens=3))
+    plan = admit(d_engine, "kx")
+    d_engine.recompute_pull("kx")
+    with pytest.raises(KeyError):
+        d_engine.recompute_pull("kx")
+    with pytest.raises(KeyError):
+        d_engine.commit_pull(plan, torch.zeros(0))
+    with pytest.raises(KeyError):
+        d_engine.recompute_pull("unknown")
+    assert run_until_done(d_engine, "kx").finished
+
+
+def test_read_only_accessors_show_the_parts(pair):
+    """What the services read goes through these, not through the engine's parts."""
+    p_engine, _ = pair
+    assert p_engine.model_config is p_engine.model.config
+    assert p_engine.kv_cache is p_engine.runner.kv_cache
+    assert p_engine.num_blocks == p_engine.pool.num_blocks == p_engine.kv_cache.shape[0]
+    assert p_engine.cached_block_hashes() == p_engine.pool.cached_block_hashes
+    assert not p_engine.has_work() and p_engine.num_running == 0
+    p_engine.add_request("acc", PROMPTS[0], SamplingParams(max_tokens=2))
+    assert p_engine.has_work()
+    p_engine.step()
+    assert p_engine.running_request_ids() == {"acc"} and p_engine.num_running == 1
+    run_until_done(p_engine, "acc")
+    assert not p_engine.has_work() and not p_engine.running_request_ids()

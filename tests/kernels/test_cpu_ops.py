@@ -2,10 +2,13 @@
 
 The kernel is built with the machine's C compiler on first use; these tests fail (not skip) if
 it cannot be built where a compiler exists, since the CPU path would then silently be slower.
+They build it in temporary directories, passed as arguments (``EngineConfig.cache_dir`` for the
+engine), never in the user's cache.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shutil
 from pathlib import Path
@@ -14,7 +17,14 @@ import pytest
 import torch
 
 import kernels
+from common.sampling_params import SamplingParams
+from common.settings import add_settings, build
 from kernels import cpu_ops, reference
+from services.engine.config import EngineConfig, ModelConfig
+from services.engine.model.llama import LlamaModel
+from services.engine.model_runner import ModelRunner, attention_backend
+from services.engine.scheduler import ScheduledBatch
+from services.engine.sequence import Sequence
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 3
@@ -23,8 +33,19 @@ LAYER = 1
 HEAD_SHAPES = [(9, 3, 64), (4, 4, 32), (8, 2, 128)]
 
 needs_compiler = pytest.mark.skipif(
-    cpu_ops._compiler() is None, reason="no C compiler (cc/gcc/clang) on PATH to build the kernel"
+    cpu_ops.find_compiler() is None,
+    reason="no C compiler (cc/gcc/clang) on PATH to build the kernel",
 )
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_ops.CpuKernels:
+    """The kernel built once for this module, in a directory of its own (not ~/.cache)."""
+    if cpu_ops.find_compiler() is None:
+        pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernel")
+    loaded = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None, "a C compiler is on PATH but the kernel did not build"
+    return loaded
 
 
 def engine_layer_caches(
@@ -46,17 +67,22 @@ def shuffled_block_tables(context_lens: list[int], num_blocks: int) -> torch.Ten
     return torch.tensor(rows, dtype=torch.int32)
 
 
-@needs_compiler
-def test_kernel_builds_and_cpu_tensors_dispatch_to_it() -> None:
-    assert cpu_ops.load() is not None
-    assert kernels._backend(torch.zeros(1), None) is cpu_ops
+def test_kernel_builds_and_is_passed_as_the_backend(kernel: cpu_ops.CpuKernels) -> None:
+    assert kernel.path.exists()
+    assert kernels._backend(torch.zeros(1), kernel) is kernel
+    assert kernels._backend(torch.zeros(1), None) is reference  # CPU, none given: the reference
+    with pytest.raises(ValueError, match="unknown kernel backend 'cpu'"):
+        kernels._backend(torch.zeros(1), "cpu")  # the compiled path needs its loaded library
 
 
-@needs_compiler
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", HEAD_SHAPES)
 @pytest.mark.parametrize("context_lens", [[1], [16, 17, 5, 40], [1, 130, 64, 33, 2, 97]])
 def test_decode_matches_reference(
-    num_heads: int, num_kv_heads: int, head_dim: int, context_lens: list[int]
+    kernel: cpu_ops.CpuKernels,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    context_lens: list[int],
 ) -> None:
     torch.manual_seed(len(context_lens) * head_dim)
     key_cache, value_cache = engine_layer_caches(48, num_kv_heads, head_dim)
@@ -66,13 +92,14 @@ def test_decode_matches_reference(
     scale = head_dim**-0.5
     assert cpu_ops.supports(query, key_cache, value_cache)
     expected = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, scale)
-    actual = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, scale)
+    actual = kernels.paged_attention_decode(
+        query, key_cache, value_cache, tables, lens, scale, backend=kernel
+    )
     assert actual.shape == expected.shape and actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-@needs_compiler
-def test_decode_caps_context_at_max_context_len() -> None:
+def test_decode_caps_context_at_max_context_len(kernel: cpu_ops.CpuKernels) -> None:
     torch.manual_seed(1)
     key_cache, value_cache = engine_layer_caches(16, 3, 64)
     tables = shuffled_block_tables([40, 20], 16)
@@ -80,15 +107,14 @@ def test_decode_caps_context_at_max_context_len() -> None:
     query = torch.randn(2, 9, 64)
     args = (query, key_cache, value_cache, tables, lens, 0.1, 24)
     expected = reference.paged_attention_decode(*args)
-    actual = cpu_ops.paged_attention_decode(*args)
+    actual = kernel.paged_attention_decode(*args)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    uncapped = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1)
+    uncapped = kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1)
     assert not torch.allclose(actual[0], uncapped[0])  # the cap really cut sequence 0
     torch.testing.assert_close(actual[1], uncapped[1])
 
 
-@needs_compiler
-def test_token_major_layout_matches_reference() -> None:
+def test_token_major_layout_matches_reference(kernel: cpu_ops.CpuKernels) -> None:
     """A cache laid out ``[block, token, head, dim]`` (other strides) works too."""
     torch.manual_seed(2)
     kv = torch.randn(20, NUM_LAYERS, 2, BLOCK_SIZE, 2, 32)
@@ -97,80 +123,179 @@ def test_token_major_layout_matches_reference() -> None:
     lens = torch.tensor([33, 7], dtype=torch.int32)
     query = torch.randn(2, 4, 32)
     expected = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.2)
-    actual = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.2)
+    actual = kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.2)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_other_dtypes_and_head_dims_take_the_reference() -> None:
-    torch.manual_seed(3)
+def test_other_dtypes_and_head_dims_are_not_supported() -> None:
     key_cache, value_cache = engine_layer_caches(8, 2, 16, torch.bfloat16)
     query = torch.randn(1, 4, 16, dtype=torch.bfloat16)
     assert not cpu_ops.supports(query, key_cache, value_cache)
-    tables, lens = shuffled_block_tables([20], 8), torch.tensor([20], dtype=torch.int32)
-    expected = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.3)
-    actual = cpu_ops.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.3)
-    assert torch.equal(actual, expected)
     odd_dim = engine_layer_caches(8, 2, 24)
     assert not cpu_ops.supports(torch.randn(1, 4, 24), *odd_dim)  # not a multiple of 16 lanes
 
 
-@needs_compiler
-def test_bad_block_tables_raise_instead_of_reading_out_of_bounds() -> None:
+def test_other_dtypes_take_the_reference(kernel: cpu_ops.CpuKernels) -> None:
+    torch.manual_seed(3)
+    key_cache, value_cache = engine_layer_caches(8, 2, 16, torch.bfloat16)
+    query = torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    tables, lens = shuffled_block_tables([20], 8), torch.tensor([20], dtype=torch.int32)
+    expected = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.3)
+    actual = kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.3)
+    assert torch.equal(actual, expected)
+
+
+def test_bad_block_tables_raise_instead_of_reading_out_of_bounds(
+    kernel: cpu_ops.CpuKernels,
+) -> None:
     key_cache, value_cache = engine_layer_caches(8, 3, 64)
     query = torch.randn(1, 9, 64)
     lens = torch.tensor([40], dtype=torch.int32)
     with pytest.raises(ValueError, match="fewer blocks than the context lengths need"):
-        cpu_ops.paged_attention_decode(
+        kernel.paged_attention_decode(
             query, key_cache, value_cache, torch.tensor([[0, 1]], dtype=torch.int32), lens, 0.1
         )
     with pytest.raises(ValueError, match=r"block id outside \[0, 8\)"):
-        cpu_ops.paged_attention_decode(
+        kernel.paged_attention_decode(
             query, key_cache, value_cache, torch.tensor([[0, 1, 8]], dtype=torch.int32), lens, 0.1
         )
 
 
-@needs_compiler
-def test_kernel_shares_torchs_openmp_runtime() -> None:
+def test_kernel_shares_torchs_openmp_runtime(kernel: cpu_ops.CpuKernels) -> None:
     """One libgomp in the process: the kernel runs on torch's threads, not a second pool."""
     maps = Path("/proc/self/maps")
     if not maps.exists():
         pytest.skip("no /proc/self/maps on this platform to list loaded libraries")
-    assert cpu_ops.load() is not None
     paths = {line.split()[-1] for line in maps.read_text().splitlines() if "libgomp" in line}
     assert len(paths) == 1, paths
 
 
-@pytest.fixture
-def fresh_load(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """``cpu_ops.load`` with an empty cache directory, its memo cleared before and after."""
-    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
-    cpu_ops.load.cache_clear()
-    yield cpu_ops.load
-    cpu_ops.load.cache_clear()
-
-
-def test_disabled_by_environment(fresh_load, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PDSERVE_CPU_KERNELS", "0")
-    assert fresh_load() is None
+@needs_compiler
+def test_build_is_cached_per_source_and_cpu(tmp_path: Path) -> None:
+    loaded = cpu_ops.load(tmp_path / "kernels")
+    assert loaded is not None
+    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    assert built == [loaded.path]
+    stamp = built[0].stat().st_mtime_ns
+    assert cpu_ops.build(cpu_ops.find_compiler() or "cc", tmp_path / "kernels") == built[0]
+    assert built[0].stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_ops.load(tmp_path / "kernels") is loaded  # loaded once per directory
 
 
 def test_failed_build_falls_back_with_a_warning(
-    fresh_load, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     false = shutil.which("false")
     if false is None:
         pytest.skip("no `false` command to stand in for a broken compiler")
-    monkeypatch.setenv("CC", false)
     with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
-        assert fresh_load() is None
+        assert cpu_ops.load(tmp_path / "kernels", false) is None
     assert "CPU attention kernel not built" in caplog.text
+    config = EngineConfig(cache_dir=str(tmp_path / "other"), cpu_kernels_cc=false)
+    assert attention_backend(config) == "reference"
+
+
+def test_a_missing_compiler_is_named_in_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+        found = cpu_ops.find_compiler("no-such-cc-for-pdserve")
+    assert "'no-such-cc-for-pdserve' not found" in caplog.text
+    assert found in (*cpu_ops.COMPILERS, None)
+
+
+# ----- the engine's config decides -------------------------------------------------------------
+@needs_compiler
+def test_engine_config_cache_dir_places_the_kernel(tmp_path: Path) -> None:
+    backend = attention_backend(EngineConfig(cache_dir=str(tmp_path)))
+    assert isinstance(backend, cpu_ops.CpuKernels)
+    assert backend.path.parent == tmp_path / "kernels"
+    assert list((tmp_path / "kernels").glob("paged_attention_cpu-*.so")) == [backend.path]
+
+
+def test_cpu_kernels_off_gives_the_reference(tmp_path: Path) -> None:
+    config = EngineConfig(cache_dir=str(tmp_path), cpu_kernels=False)
+    assert attention_backend(config) == "reference"
+    assert not (tmp_path / "kernels").exists()  # nothing compiled
+    gpu = EngineConfig(cache_dir=str(tmp_path), device="cuda")
+    assert attention_backend(gpu) is None  # by device: Triton, and no C build
+    assert not (tmp_path / "kernels").exists()
+
+
+@pytest.mark.parametrize(
+    "env, argv, expected",
+    [
+        ({}, [], True),
+        ({"PDSERVE_CPU_KERNELS": "0"}, [], False),
+        ({"PDSERVE_CPU_KERNELS": "1"}, [], True),
+        ({}, ["--no-cpu-kernels"], False),
+        ({"PDSERVE_CPU_KERNELS": "0"}, ["--cpu-kernels"], True),  # the flag wins
+    ],
+)
+def test_cpu_kernels_switch_from_environment_and_flags(
+    env: dict[str, str], argv: list[str], expected: bool
+) -> None:
+    parser = argparse.ArgumentParser()
+    add_settings(parser, EngineConfig, env)
+    config = build(EngineConfig, parser.parse_args(argv))
+    assert config.cpu_kernels is expected
 
 
 @needs_compiler
-def test_build_is_cached_per_source_and_cpu(fresh_load, tmp_path: Path) -> None:
-    assert fresh_load() is not None
-    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
-    assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
-    assert cpu_ops.build(cpu_ops._compiler() or "cc", tmp_path / "kernels") == built[0]
-    assert built[0].stat().st_mtime_ns == stamp  # not rebuilt
+def test_model_runner_runs_the_configured_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step through ``ModelRunner`` and the model takes the compiled kernel the config
+    chose, and gives the reference's logits."""
+    torch.manual_seed(4)
+    cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position=128,
+        tie_word_embeddings=False,
+    )
+    model = LlamaModel(cfg).eval()
+
+    def decode_logits(attention: str | kernels.Backend | None) -> torch.Tensor:
+        runner = ModelRunner(model, 8, BLOCK_SIZE, torch.float32, attention=attention)
+        seq = Sequence(0, "r", list(range(3, 23)), SamplingParams())
+        seq.block_table = [5, 2]
+        prefill = ScheduledBatch()
+        prefill.add(seq, seq.num_tokens)
+        runner.execute(prefill)
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(7)
+        decode = ScheduledBatch()
+        decode.add(seq, 1)
+        logits, seqs = runner.execute(decode)
+        assert seqs == [seq]
+        return logits
+
+    expected = decode_logits("reference")
+    backend = attention_backend(EngineConfig(cache_dir=str(tmp_path)))
+    assert isinstance(backend, cpu_ops.CpuKernels)
+
+    def not_the_reference(*args: object) -> torch.Tensor:
+        raise AssertionError("decode attention took the reference, not the compiled kernel")
+
+    monkeypatch.setattr(reference, "paged_attention_decode", not_the_reference)
+    torch.testing.assert_close(decode_logits(backend), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_decodes_with_the_compiled_kernel_and_without_it_when_told(llm) -> None:  # type: ignore[no-untyped-def]
+    """The engine's model runner gets the kernel its config asks for: the compiled one by
+    default (``--cpu-kernels``), the reference with ``--no-cpu-kernels``; same greedy tokens."""
+    from services.engine.llm import LLM
+
+    assert isinstance(llm.engine.runner.attention, cpu_ops.CpuKernels)
+    plain = LLM(cpu_kernels=False, num_blocks=32, num_threads=1)
+    assert plain.engine.runner.attention == "reference"
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompt = "The capital of France is"
+    compiled = llm.generate([prompt], params)[0].outputs[0].token_ids
+    assert plain.generate([prompt], params)[0].outputs[0].token_ids == compiled

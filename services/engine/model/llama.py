@@ -30,6 +30,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks]
     prefill_query_start_loc: torch.Tensor  # [num_prefills + 1], relative to the prefill part
     prefill_context_lens: torch.Tensor  # [num_prefills]
+    # Which kernels compute it (``kernels``' ``backend``): None by device; the model runner
+    # passes the compiled CPU decode attention when its config turns that on.
+    backend: str | kernels.Backend | None = None
 
 
 class RMSNorm(nn.Module):
@@ -109,7 +112,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         key_cache, value_cache = kv_cache
-        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping)
+        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
         nd = meta.num_decode_tokens
         parts = []
         if nd:
@@ -122,6 +125,7 @@ class Attention(nn.Module):
                     meta.decode_context_lens,
                     self.scale,
                     meta.decode_max_context_len,
+                    backend=meta.backend,
                 )
             )
         if nd < num_tokens:
@@ -134,6 +138,7 @@ class Attention(nn.Module):
                     meta.prefill_query_start_loc,
                     meta.prefill_context_lens,
                     self.scale,
+                    backend=meta.backend,
                 )
             )
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
