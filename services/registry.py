@@ -479,8 +479,12 @@ class WorkerRegistration:
     async def _heartbeat_loop(self) -> None:
         cfg = self.config
         delay = cfg.heartbeat_seconds
-        while True:
+        # Not `while True`: before Python 3.12, a cancel that lands as a wait_for in _beat
+        # completes is lost, and the loop would beat on (and deregister() wait) for ever.
+        while not self._is_closed:
             await asyncio.sleep(delay * random.uniform(0.9, 1.1))
+            if self._is_closed:
+                return
             try:
                 await self._beat()
             except Exception as exc:  # never let the heartbeat die: the worker would vanish
@@ -515,6 +519,7 @@ class RegistryView:
         self._run_id = ""  # Redis's run_id: a new one means Redis restarted and lost the records
         self._grace_until = 0.0  # time.monotonic() until which the last view's workers are kept
         self._task: asyncio.Task[None] | None = None
+        self._closing = False  # the watch loop's own stop signal (a cancel can be lost)
         self._unreadable: set[str] = set()  # ids already warned about
 
     @property
@@ -554,6 +559,7 @@ class RegistryView:
         return self._task
 
     async def close(self) -> None:
+        self._closing = True
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
@@ -697,7 +703,8 @@ class RegistryView:
             logger.debug("pruning the index failed: %s", describe_error(exc, self.config))
 
     async def _watch_loop(self, interval: float) -> None:
-        while True:
+        # Not `while True`: see WorkerRegistration._heartbeat_loop (a cancel lost in wait_for).
+        while not self._closing:
             await self.refresh()
             await asyncio.sleep(interval)
 
