@@ -414,8 +414,13 @@ async def running_setup(args: argparse.Namespace) -> AsyncIterator[Setup]:
     with RedisServer() as redis:
         fakes, addresses = await asyncio.to_thread(start_fakes, fp, redis.url, prefix)
         flags = ["--port", "0", "--redis-url", redis.url, "--redis-prefix", prefix]
+        # The flow the fakes implement and "direct" repeats: Prefill, then Generate with the
+        # first token (not a local prefill on the decode worker, nor a streamed KV handle).
+        flags += ["--disaggregation", "always", "--no-stream-kv"]
         flags += args.router_arg
-        env = {"PYTHONPATH": str(ROOT)}
+        # A cluster token as in production (the router sends it on every call; the fakes
+        # do not check it): the router refuses to start without one.
+        env = {"PYTHONPATH": str(ROOT), "PDSERVE_CLUSTER_TOKEN": uuid.uuid4().hex}
         router = (
             ProfiledRouter(flags, env, args.profile)
             if args.profile
