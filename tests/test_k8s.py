@@ -1,10 +1,13 @@
 """k8s/: the rendered manifests are valid Kubernetes objects and agree with the processes they run.
 
-Every build (the base and each overlay) is rendered with tests/k8s_render.py (the subset of
-`kustomize build` that k8s/ uses; compared with a real kustomize when one is on PATH), then:
+Every build (the base and each overlay) is rendered by the real kustomize, `kubectl kustomize
+DIR` (kubectl ships kustomize v5; .ci/ensure-tools.sh installs kubectl where it is missing; the
+tests skip, saying so, only where no kubectl can be found), then:
 
 - every object validates against the Kubernetes OpenAPI schemas in strict mode (no unknown
-  fields), offline, with the schemas the ``kubernetes-validate`` package ships;
+  fields), offline, with the schemas the ``kubernetes-validate`` package ships; the
+  prometheus-operator objects of the monitoring component (ServiceMonitor, PrometheusRule), whose
+  CRD schemas that package does not have, get a structural check of their own instead;
 - each HorizontalPodAutoscaler scales the Deployment of its own pool, on metrics that exist:
   worker gauges in services/worker/metrics.py, router series read from a real router's /metrics
   route, each served by a prometheus-adapter rule of k8s/README.md;
@@ -27,7 +30,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import k8s_render
 import kubernetes_validate
 import pytest
 import yaml
@@ -69,9 +71,26 @@ Series = tuple[str, frozenset[tuple[str, str]]]  # a sample's name and labels
 Object = dict[str, Any]
 
 
+KUBECTL = os.environ.get("KUBECTL") or shutil.which("kubectl")
+pytestmark = pytest.mark.skipif(
+    KUBECTL is None,
+    reason="no kubectl (KUBECTL or PATH) for `kubectl kustomize`: .ci/ensure-tools.sh installs it",
+)
+
+
+def kustomize(directory: Path) -> list[Object]:
+    """The objects `kubectl kustomize directory` prints."""
+    assert KUBECTL is not None
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, f"kubectl kustomize {directory} failed:\n{result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
+
+
 @pytest.fixture(scope="module")
 def builds() -> dict[str, list[Object]]:
-    return {name: k8s_render.build(path) for name, path in BUILDS.items()}
+    return {name: kustomize(path) for name, path in BUILDS.items()}
 
 
 @pytest.fixture(scope="module")
@@ -566,76 +585,3 @@ def test_gpu_overlay_puts_each_pool_on_its_own_node_class(
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
                 tolerations
             )
-
-
-def kustomize_binary() -> str | None:
-    return os.environ.get("KUSTOMIZE") or shutil.which("kustomize")
-
-
-def normalized(objects: list[Object]) -> dict[tuple[str, str], Object]:
-    """Objects by kind and name, merge-keyed lists sorted (kustomize versions order them
-    differently; the order of these lists carries no meaning in k8s/)."""
-
-    def walk(value: Any, field: str = "") -> Any:
-        if isinstance(value, dict):
-            return {k: walk(v, k) for k, v in value.items()}
-        if isinstance(value, list):
-            items = [walk(v) for v in value]
-            key = k8s_render.MERGE_KEYS.get(field)
-            if key and all(isinstance(i, dict) and key in i for i in items):
-                items.sort(key=lambda i: str(i[key]))
-            return items
-        return value
-
-    return {(o["kind"], o["metadata"]["name"]): walk(o) for o in objects}
-
-
-@pytest.mark.skipif(kustomize_binary() is None, reason="no kustomize binary (KUSTOMIZE or PATH)")
-@pytest.mark.parametrize("build_name", BUILDS)
-def test_renderer_matches_kustomize(builds: dict[str, list[Object]], build_name: str) -> None:
-    binary = kustomize_binary()
-    assert binary is not None
-    output = subprocess.run(
-        [binary, "build", str(BUILDS[build_name])],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
-    expected = [doc for doc in yaml.safe_load_all(output) if doc is not None]
-    assert normalized(builds[build_name]) == normalized(expected)
-
-
-def test_renderer_refuses_what_it_does_not_render(tmp_path: Path) -> None:
-    (tmp_path / "kustomization.yaml").write_text("commonLabels: {a: b}\nresources: []\n")
-    with pytest.raises(k8s_render.UnsupportedFeature, match="commonLabels"):
-        k8s_render.build(tmp_path)
-    (tmp_path / "kustomization.yaml").write_text(
-        "resources: []\npatches: [{path: p.yaml, target: {kind: ConfigMap}}]\n"
-    )
-    with pytest.raises(k8s_render.UnsupportedFeature, match="target"):
-        k8s_render.build(tmp_path)
-
-
-def test_renderer_merges_lists_by_key_and_replaces_the_others() -> None:
-    base = {
-        "containers": [{"name": "a", "env": [{"name": "X", "value": "1"}], "args": ["p", "q"]}],
-        "tolerations": [{"key": "t1"}],
-        "nodeSelector": {"keep": "1", "drop": "2"},
-    }
-    patch = {
-        "containers": [{"name": "a", "env": [{"name": "Y", "value": "2"}], "args": ["r"]}],
-        "tolerations": [{"key": "t2"}],
-        "nodeSelector": {"drop": None, "new": "3"},
-    }
-    assert k8s_render.strategic_merge(base, patch) == {
-        "containers": [
-            {
-                "name": "a",
-                "env": [{"name": "X", "value": "1"}, {"name": "Y", "value": "2"}],
-                "args": ["r"],
-            }
-        ],
-        "tolerations": [{"key": "t2"}],
-        "nodeSelector": {"keep": "1", "new": "3"},
-    }
