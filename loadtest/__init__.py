@@ -4,6 +4,8 @@ It stands alone: it imports only httpx, numpy and tqdm (matplotlib when plotting
 when ``--tokenizer`` is given), never pdserve itself, so it can be installed next to any server.
 """
 
+__version__ = "0.1.0"  # loadtest/pyproject.toml reads it from here
+
 from loadtest.arrivals import Schedule
 from loadtest.client import ClientConfig, RequestResult, RunOutput, run
 from loadtest.datasets import DatasetConfig, Sample, load
@@ -16,6 +18,7 @@ __all__ = [
     "RequestResult",
     "RunOutput",
     "Sample",
+    "__version__",
     "Schedule",
     "compute",
     "load",

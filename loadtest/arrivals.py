@@ -115,9 +115,12 @@ async def arrivals(
 
 def parse_rates(text: str) -> list[float]:
     """``"1,2,4,inf"`` -> [1.0, 2.0, 4.0, inf] (for ``--sweep-rates``)."""
-    rates = [float(part) for part in text.split(",") if part.strip()]
-    if not rates or any(r <= 0 for r in rates):
-        raise ValueError(f"rates must be positive numbers, got {text!r}")
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--sweep-rates: positive numbers separated by commas, got {text!r}")
     return rates
 
 

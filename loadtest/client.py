@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 
 from loadtest.arrivals import Schedule, achieved_rate, arrivals
+from loadtest.control import Stop, is_client_error
 from loadtest.datasets import Sample, approx_tokens
 
 COMPLETIONS = "/v1/completions"
@@ -97,6 +98,22 @@ class RunOutput:
     achieved_rate: float
     scheduled_rate: float = math.inf  # the rate of the drawn gaps themselves
     warnings: list[str] = field(default_factory=list)
+    stopped: str = ""  # why the run ended early (Ctrl-C, a 4xx); empty when it ran to the end
+    num_cancelled: int = 0  # requests in flight when it stopped (cancelled, not in results)
+
+
+def server_message(detail: str) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the body itself."""
+    try:
+        body = json.loads(detail)
+    except ValueError:
+        return detail.strip()
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("message"):
+        return str(error["message"])
+    if isinstance(body, dict) and isinstance(body.get("detail"), str):
+        return str(body["detail"])
+    return detail.strip()
 
 
 def make_client(cfg: ClientConfig) -> httpx.AsyncClient:
@@ -112,7 +129,7 @@ def make_client(cfg: ClientConfig) -> httpx.AsyncClient:
     )
 
 
-def _payload(cfg: ClientConfig, prompt: str | list[dict[str, str]], max_tokens: int) -> dict:
+def request_body(cfg: ClientConfig, prompt: str | list[dict[str, str]], max_tokens: int) -> dict:
     body: dict[str, Any] = {"model": cfg.model, "max_tokens": max_tokens, "stream": cfg.stream}
     if cfg.chat:
         body["messages"] = prompt
@@ -166,7 +183,9 @@ async def send(
     usage: dict[str, Any] | None = None
     pieces: list[str] = []
     try:
-        async with client.stream("POST", cfg.url, json=_payload(cfg, prompt, max_tokens)) as resp:
+        async with client.stream(
+            "POST", cfg.url, json=request_body(cfg, prompt, max_tokens)
+        ) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode(errors="replace")
                 result.error, result.error_detail = f"http_{resp.status_code}", body[:500]
@@ -271,10 +290,16 @@ async def run(
     duration: float | None = None,
     seed: int = 0,
     count: Callable[[str], int] | None = None,
+    stop: Stop | None = None,
 ) -> RunOutput:
     """Send ``samples`` (cycled when there are fewer than requests) on ``schedule`` until
     ``num_prompts`` have been sent or ``duration`` seconds have passed, then wait for the
-    requests in flight. Every request ends (``request_timeout``), so every run ends."""
+    requests in flight. Every request ends (``request_timeout``), so every run ends.
+
+    ``stop`` (set by Ctrl-C, see ``loadtest.control``) ends the run early: nothing more is sent,
+    the requests in flight are cancelled, and what completed is returned with ``stopped`` set.
+    The first answer that is a client error (a 4xx other than 408/429: wrong model, key or
+    body) stops the run the same way, with the server's message as the reason."""
     if num_prompts is None and duration is None:
         raise ValueError("a run needs --num-prompts and/or --duration")
     if not samples:
@@ -282,47 +307,77 @@ async def run(
     if num_prompts is None and math.isinf(schedule.rate) and not schedule.ramped:
         if not cfg.max_concurrency:
             raise ValueError("--duration with --request-rate inf needs --max-concurrency")
+    stop = stop or Stop()
     rng = np.random.default_rng(seed)
     limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     results: list[RequestResult] = []
     send_times: list[float] = []
     scheduled: list[float] = []
+    tasks: list[asyncio.Task] = []
     async with make_client(cfg) as client:
         if cfg.num_warmups:
             await _warmup(client, cfg, samples, limit)
-        bar = _progress(num_prompts, cfg.disable_tqdm)
+        progress = Progress(num_prompts, cfg.disable_tqdm)
+
+        async def converse(index: int) -> None:
+            progress.start()
+            done = await _conversation(client, cfg, samples[index % len(samples)], index, t0, count)
+            results.extend(done)
+            progress.end(done)
+            refused = next((r for r in done if _refused(r)), None)
+            if refused is not None:
+                stop.set(
+                    f"the server answered {refused.error[5:]} to request {index}: "
+                    f"{server_message(refused.error_detail)}"
+                )
 
         async def task(index: int) -> None:
-            sample = samples[index % len(samples)]
             if limit is None:
-                done = await _conversation(client, cfg, sample, index, t0, count)
+                await converse(index)
             else:
                 async with limit:
-                    done = await _conversation(client, cfg, sample, index, t0, count)
-            results.extend(done)
-            if bar is not None:
-                bar.update(1)
+                    await converse(index)
+
+        async def send_all() -> None:
+            async for index, offset in arrivals(schedule, num_prompts, rng, deadline):
+                send_times.append(time.perf_counter() - t0)
+                scheduled.append(offset)
+                tasks.append(asyncio.create_task(task(index)))
 
         t0 = time.perf_counter()
         deadline = time.monotonic() + duration if duration else None
         if duration and schedule.ramped and schedule.ramp_duration is None:
             schedule = Schedule(**{**schedule.__dict__, "ramp_duration": duration})
-        tasks = []
-        async for index, offset in arrivals(schedule, num_prompts, rng, deadline):
-            send_times.append(time.perf_counter() - t0)
-            scheduled.append(offset)
-            tasks.append(asyncio.create_task(task(index)))
-        await asyncio.gather(*tasks)
-        if bar is not None:
-            bar.close()
+        sender = asyncio.create_task(send_all())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({sender, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not stop.is_set:
+                sender.result()
+                waiters: set[asyncio.Future[Any]] = {stopper}
+                waiters.add(asyncio.gather(*tasks, return_exceptions=True))
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            num_cancelled = progress.in_flight if stop.is_set else 0
+            for pending in (sender, stopper, *tasks):
+                pending.cancel()
+            await asyncio.gather(sender, stopper, *tasks, return_exceptions=True)
+            progress.close()
     results.sort(key=lambda r: (r.index, r.turn))
     end = max((r.end for r in results), default=0.0)
     output = RunOutput(results, end, send_times, schedule, achieved_rate(send_times))
     output.scheduled_rate = achieved_rate(scheduled)
-    output.warnings = rate_check(output.scheduled_rate, output.achieved_rate, len(send_times))
+    output.stopped, output.num_cancelled = stop.reason, num_cancelled
+    if not stop.is_set:  # a stopped run's arrivals were cut short on purpose
+        output.warnings = rate_check(output.scheduled_rate, output.achieved_rate, len(send_times))
     for warning in output.warnings:
         print(f"WARNING: {warning}", file=sys.stderr)
     return output
+
+
+def _refused(result: RequestResult) -> bool:
+    status = result.error[5:] if result.error.startswith("http_") else ""
+    return status.isdigit() and is_client_error(int(status))
 
 
 def rate_check(scheduled: float, achieved: float, sent: int) -> list[str]:
@@ -363,9 +418,36 @@ async def _warmup(
     await asyncio.gather(*(one(i) for i in range(cfg.num_warmups)))
 
 
-def _progress(total: int | None, disable: bool) -> Any:
-    if disable:
-        return None
-    from tqdm import tqdm
+class Progress:
+    """A tqdm bar on stderr: requests finished, with those in flight and the errors so far."""
 
-    return tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
+    def __init__(self, total: int | None, disable: bool) -> None:
+        self.in_flight = 0
+        self.errors = 0
+        self.bar: Any = None
+        if not disable:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="req", dynamic_ncols=True, file=sys.stderr)
+            self._show()
+
+    def start(self) -> None:
+        self.in_flight += 1
+        self._show()
+
+    def end(self, done: list[RequestResult]) -> None:
+        self.in_flight -= 1
+        self.errors += sum(not r.ok for r in done)
+        if self.bar is not None:
+            self.bar.update(1)
+        self._show()
+
+    def _show(self) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(
+                {"in flight": self.in_flight, "errors": self.errors}, refresh=False
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -87,11 +87,21 @@ def token_counter(tokenizer: str | None) -> Callable[[str], int]:
     """A counter from a ``tokenizer.json`` file (``tokenizers`` package), else the estimate."""
     if not tokenizer:
         return approx_tokens
-    from tokenizers import Tokenizer  # optional dependency, only when asked for
-
-    tok = Tokenizer.from_file(tokenizer) if Path(tokenizer).exists() else None
-    if tok is None:
-        tok = Tokenizer.from_pretrained(tokenizer)
+    try:
+        from tokenizers import Tokenizer  # optional dependency, only when asked for
+    except ImportError:
+        raise ValueError(
+            "--tokenizer needs the tokenizers package: pip install tokenizers"
+        ) from None
+    try:
+        if Path(tokenizer).exists():
+            tok = Tokenizer.from_file(tokenizer)
+        else:
+            tok = Tokenizer.from_pretrained(tokenizer)
+    except Exception as exc:  # the library raises its own exception types
+        raise ValueError(
+            f"--tokenizer {tokenizer}: not a tokenizer.json file or a hub name ({exc})"
+        ) from None
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
 
 
@@ -107,9 +117,31 @@ def uniform_lengths(length: int, ratio: float, n: int, rng: np.random.Generator)
     """Integers uniform in ``[L(1-r), L(1+r)]`` (at least 1)."""
     if not 0 <= ratio < 1:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
-    lo = max(1, int(round(length * (1 - ratio))))
-    hi = max(lo, int(round(length * (1 + ratio))))
+    lo, hi = _bounds(length, ratio)
     return rng.integers(lo, hi + 1, size=n)
+
+
+def _bounds(length: int, ratio: float) -> tuple[int, int]:
+    lo = max(1, int(round(length * (1 - ratio))))
+    return lo, max(lo, int(round(length * (1 + ratio))))
+
+
+def length_ranges(cfg: DatasetConfig) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
+    """The (ISL, OSL) ranges the workload is drawn from, by name (plots outline them); empty
+    where the lengths come from a file or grow turn by turn."""
+    if cfg.name in PRESETS:
+        return {cfg.name: PRESETS[cfg.name]}
+    if cfg.name == "mixed":
+        return {name: PRESETS[name] for name in MIXED}
+    if cfg.name in ("random", "prefix"):
+        ilo, ihi = _bounds(cfg.input_len, cfg.range_ratio)
+        return {
+            cfg.name: (
+                (ilo + cfg.prefix_len, ihi + cfg.prefix_len),
+                _bounds(cfg.output_len, cfg.range_ratio),
+            )
+        }
+    return {}
 
 
 def random_samples(
@@ -173,12 +205,23 @@ def multiturn_samples(cfg: DatasetConfig, rng: np.random.Generator) -> list[Samp
 
 
 def _read_records(path: str) -> list[dict]:
-    """A JSON list or JSON-lines file."""
-    text = Path(path).read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        return list(json.loads(text))
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    """A JSON list or JSON-lines file (``ValueError`` naming ``--dataset-path`` otherwise)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"--dataset-path {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--dataset-path {path}: cannot read it ({exc})") from None
+    try:
+        if text.lstrip().startswith("["):
+            records = list(json.loads(text))
+        else:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--dataset-path {path}: not JSON or JSON lines ({exc})") from None
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError(f"--dataset-path {path}: each record must be a JSON object")
+    return records
 
 
 def sharegpt_samples(
@@ -214,7 +257,9 @@ def custom_samples(cfg: DatasetConfig, count: Callable[[str], int]) -> list[Samp
     if not cfg.path:
         raise ValueError("--dataset-path is required for custom")
     samples = []
-    for record in _read_records(cfg.path)[: cfg.num_prompts]:
+    for number, record in enumerate(_read_records(cfg.path)[: cfg.num_prompts], 1):
+        if "prompt" not in record:
+            raise ValueError(f'--dataset-path {cfg.path}: record {number} has no "prompt"')
         prompt = str(record["prompt"])
         out = cfg.output_len_override or int(record.get("max_tokens") or cfg.output_len)
         samples.append(Sample(prompt, count(prompt), out, kind="custom"))

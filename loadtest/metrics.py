@@ -74,7 +74,7 @@ class Metrics:
     total_token_throughput: float
     max_output_tokens_per_s: float
     max_concurrent_requests: int
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, float | None] = field(default_factory=dict)  # None: no samples
     errors: dict[str, int] = field(default_factory=dict)
     percentiles: tuple[float, ...] = (99.0,)
 
@@ -134,14 +134,16 @@ def compute(
     good = sum(meets(r, slos) for r in results) if slos else None
     _, level = concurrency_steps(results)
     timeline = output_timeline(results)
-    stats: dict[str, float] = {}
+    stats: dict[str, float | None] = {}
     for name, values in samples_of(results).items():
         ms = values * 1000
-        stats[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else 0.0
-        stats[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else 0.0
-        stats[f"std_{name}_ms"] = float(ms.std()) if ms.size else 0.0
+        # A metric without samples (nothing completed, no stream, one-token answers) is None:
+        # "n/a" in the table and null in the JSON, never a 0 that reads as a measurement.
+        stats[f"mean_{name}_ms"] = float(ms.mean()) if ms.size else None
+        stats[f"median_{name}_ms"] = float(np.median(ms)) if ms.size else None
+        stats[f"std_{name}_ms"] = float(ms.std()) if ms.size else None
         for p in percentiles:
-            value = float(np.percentile(ms, p)) if ms.size else 0.0
+            value = float(np.percentile(ms, p)) if ms.size else None
             stats[f"{percentile_name(p)}_{name}_ms"] = value
     return Metrics(
         completed=len(ok),

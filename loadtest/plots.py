@@ -1,8 +1,15 @@
-"""PNG plots of a run (matplotlib, imported only here and only when plotting, with the Agg
-backend so that no display is needed)."""
+"""PNG plots of a run and of a sweep (matplotlib, imported only here and only when plotting, with
+the Agg backend so that no display is needed).
+
+Each ``*_figure`` function builds and returns a figure (tests read its texts); ``plot_run`` and
+``plot_sweep`` save them. Every figure carries a subtitle naming the run (``RunLabel``), so a
+PNG handed on says what it shows.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +17,35 @@ import numpy as np
 
 from loadtest.client import RunOutput
 from loadtest.metrics import concurrency_steps, output_timeline, samples_of
+
+PERCENTILES = (50, 90, 99)
+COLORS = {50: "tab:green", 90: "tab:orange", 99: "tab:red"}
+SLO_OF_PANEL = {"ttft": "ttft", "tpot": "tpot", "itl": "itl_p99", "e2el": "e2el"}
+PANELS = {
+    "ttft": "TTFT",
+    "tpot": "TPOT (per request)",
+    "itl": "ITL (all gaps between chunks)",
+    "e2el": "E2E latency",
+}
+
+
+@dataclass
+class RunLabel:
+    """What the figures say about the run they show."""
+
+    model: str
+    endpoint: str
+    dataset: str
+    rate: str
+    date: str = field(default_factory=lambda: datetime.now().strftime("%Y-%m-%d %H:%M"))
+    stopped: str = ""
+    slos: dict[str, float] = field(default_factory=dict)
+    ranges: dict[str, tuple[tuple[int, int], tuple[int, int]]] = field(default_factory=dict)
+    chat: bool = False
+
+    def subtitle(self) -> str:
+        text = f"{self.model} | {self.endpoint} | {self.dataset} | {self.rate} | {self.date}"
+        return text + ("  |  INTERRUPTED: partial run" if self.stopped else "")
 
 
 def _pyplot() -> Any:
@@ -21,100 +57,178 @@ def _pyplot() -> Any:
     return plt
 
 
-def _cdf(ax: Any, values_ms: np.ndarray, title: str) -> None:
+def _axis_end(values: np.ndarray, slo: float | None) -> float:
+    """The x-axis end: the largest value, unless a few outliers lie far beyond the p99 (then
+    1.5 x p99, or past the SLO line); the points cut off are named in the legend."""
+    p99, top = float(np.percentile(values, 99)), float(values.max())
+    end = max(p99 * 1.5, (slo or 0.0) * 1.15)
+    return top * 1.02 if top <= end else end
+
+
+def _cdf(ax: Any, values_ms: np.ndarray, title: str, slo: float | None, slo_name: str) -> None:
+    """One CDF with its percentiles and SLO as labelled lines (the legend keeps the labels from
+    overlapping), and an x-axis that one outlier cannot stretch."""
     if values_ms.size:
         xs = np.sort(values_ms)
-        ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post")
-        for p in (50, 90, 99):
-            v = np.percentile(xs, p)
-            ax.axvline(v, color="grey", linestyle=":", linewidth=0.8)
-            ax.text(v, 0.02 + p / 400, f"p{p} {v:.1f}", fontsize=7, rotation=90, va="bottom")
+        ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post", color="tab:blue")
+        for p in PERCENTILES:
+            v = float(np.percentile(xs, p))
+            ax.axvline(v, color=COLORS[p], linestyle=":", linewidth=1.2, label=f"p{p} {v:.1f} ms")
+        end = _axis_end(xs, slo)
+        ax.set_xlim(0, end)
+        beyond = int((xs > end).sum())
+        if beyond:
+            ax.plot([], [], " ", label=f"{beyond} beyond the axis (max {xs[-1]:.0f} ms)")
     else:
         ax.text(0.5, 0.5, "no samples", ha="center", transform=ax.transAxes)
-    ax.set_title(title)
+    if slo is not None:
+        ax.axvline(
+            slo, color="black", linestyle="--", linewidth=1.2, label=f"SLO {slo_name} {slo:g} ms"
+        )
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{title} CDF (n={values_ms.size})")
     ax.set_xlabel("ms")
-    ax.set_ylabel("fraction of samples <= x")
+    ax.set_ylabel("fraction <= x")
     ax.set_ylim(0, 1.01)
     ax.grid(alpha=0.3)
 
 
-def plot_run(run: RunOutput, stem: Path) -> list[Path]:
-    """``<stem>_latency_cdf.png``, ``<stem>_timeline.png`` and ``<stem>_workload.png``."""
+def latency_figure(run: RunOutput, label: RunLabel) -> Any:
+    """TTFT, TPOT, ITL and E2EL CDFs, with p50/p90/p99 and the ``--goodput`` limits."""
     plt = _pyplot()
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = []
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     samples = samples_of(run.results)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    _cdf(axes[0], samples["ttft"] * 1000, "TTFT CDF")
-    _cdf(axes[1], samples["itl"] * 1000, "ITL CDF (all chunk gaps)")
+    for ax, (name, title) in zip(axes.flat, PANELS.items()):
+        slo_name = SLO_OF_PANEL[name]
+        _cdf(ax, samples[name] * 1000, title, label.slos.get(slo_name), slo_name)
+    fig.suptitle(f"Latency CDFs\n{label.subtitle()}", fontsize=10)
     fig.tight_layout()
-    paths.append(stem.with_name(stem.name + "_latency_cdf.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    return fig
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+
+def timeline_figure(run: RunOutput, label: RunLabel) -> Any:
+    """Output tokens/s in 1 s buckets over requests in flight, arrivals and failures."""
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True)
     tokens = output_timeline(run.results)
     if tokens.size:
-        top.bar(np.arange(tokens.size) + 0.5, tokens, width=1.0, alpha=0.7)
-    top.set_ylabel("output tokens/s (1 s buckets)")
-    top.set_title("Throughput and concurrency over time")
+        top.bar(np.arange(tokens.size) + 0.5, tokens, width=1.0, alpha=0.7, label="output tok/s")
+        top.legend(loc="upper right", fontsize=8)
+    top.set_ylabel("output tokens/s")
+    top.set_title("Throughput (1 s buckets) and requests in flight")
     top.grid(alpha=0.3)
     times, level = concurrency_steps(run.results)
     if times.size:
-        bottom.step(times, level, where="post")
+        bottom.step(times, level, where="post", label="in flight")
     sends = np.asarray(run.send_times)
     if sends.size:
-        bottom.plot(sends, np.zeros_like(sends), "|", color="tab:red", label="arrivals")
-        bottom.legend(loc="upper right")
+        bottom.plot(sends, np.zeros_like(sends), "|", color="tab:green", label="arrivals")
+    failed = [r.end for r in run.results if not r.ok]
+    if failed:
+        bottom.plot(failed, np.zeros(len(failed)), "x", color="tab:red", label="failed (end)")
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(loc="upper right", fontsize=8)
     bottom.set_ylabel("requests in flight")
-    bottom.set_xlabel("seconds since start")
+    bottom.set_xlabel("seconds since the first request")
     bottom.grid(alpha=0.3)
+    fig.suptitle(label.subtitle(), fontsize=10)
     fig.tight_layout()
-    paths.append(stem.with_name(stem.name + "_timeline.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    return fig
 
-    fig, ax = plt.subplots(figsize=(6, 5))
-    ins = np.array([r.prompt_len for r in run.results])
-    outs = np.array([r.output_len for r in run.results])
+
+def workload_figure(run: RunOutput, label: RunLabel) -> Any:
+    """The 2-D histogram of ISL x OSL (integer counts), the dataset's ranges outlined, and a
+    note when prompts came out longer than the range (the server's count includes more)."""
+    from matplotlib.patches import Rectangle
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 6))
+    ins = np.array([r.prompt_len for r in run.results if r.ok])
+    outs = np.array([r.output_len for r in run.results if r.ok])
     if ins.size:
         h = ax.hist2d(ins, outs, bins=min(30, max(ins.size // 2, 2)), cmap="viridis", cmin=1)
-        fig.colorbar(h[3], ax=ax, label="requests")
-    ax.set_xlabel("input tokens (ISL)")
+        fig.colorbar(h[3], ax=ax, label="requests", ticks=MaxNLocator(integer=True))
+    else:
+        ax.text(0.5, 0.5, "no completed requests", ha="center", transform=ax.transAxes)
+    for (name, ((ilo, ihi), (olo, ohi))), color in zip(
+        label.ranges.items(), ("tab:red", "tab:orange", "tab:pink")
+    ):
+        box = Rectangle((ilo, olo), ihi - ilo, ohi - olo, fill=False, edgecolor=color,
+                        linestyle="--", linewidth=1.5, label=f"{name} range")  # fmt: skip
+        ax.add_patch(box)
+    if label.ranges and ins.size:
+        ax.autoscale_view()
+        most = max(ihi for (_, ihi), _ in label.ranges.values())
+        above = int((ins > most).sum())
+        if above:
+            why = "the chat template's tokens" if label.chat else "the server's own tokenizer"
+            ax.plot([], [], " ", label=f"{above} above the ISL range: {why}")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="upper right", fontsize=8)
+    ax.set_xlabel("input tokens (ISL, as the server counted them)")
     ax.set_ylabel("output tokens (OSL)")
-    ax.set_title("Workload: ISL x OSL")
+    ax.set_title(f"Workload: ISL x OSL of {ins.size} completed requests")
+    fig.suptitle(label.subtitle(), fontsize=9)
     fig.tight_layout()
-    paths.append(stem.with_name(stem.name + "_workload.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths
+    return fig
 
 
-def plot_sweep(points: list[dict], path: Path, percentile: str = "p99") -> Path:
-    """Latency vs offered rate for a sweep (``points``: saved-result dicts, one per rate):
-    median and ``percentile`` TTFT/TPOT/E2EL, and achieved throughput on the right axis."""
+def sweep_figure(points: list[dict], label: RunLabel, percentile: str = "p99") -> Any:
+    """Median and ``percentile`` TTFT/TPOT/E2EL against the offered rate, the SLOs as lines,
+    and the achieved request throughput (right axis, in the legend too)."""
     plt = _pyplot()
-    path.parent.mkdir(parents=True, exist_ok=True)
     rates = [float(p["request_rate"]) if p["request_rate"] != "inf" else np.nan for p in points]
     finite = [r for r in rates if not np.isnan(r)]
     top = max(finite) * 2 if finite else 1.0
     xs = [top if np.isnan(r) else r for r in rates]  # "inf" is drawn at twice the top rate
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+
+    def values(key: str) -> list[float]:
+        return [np.nan if p.get(key) is None else p[key] for p in points]
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
     for ax, name in zip(axes, ("ttft", "tpot", "e2el")):
-        ax.plot(xs, [p[f"median_{name}_ms"] for p in points], "o-", label="median")
-        ax.plot(
-            xs, [p.get(f"{percentile}_{name}_ms", np.nan) for p in points], "s--", label=percentile
-        )
+        ax.plot(xs, values(f"median_{name}_ms"), "o-", label="median")
+        ax.plot(xs, values(f"{percentile}_{name}_ms"), "s--", label=percentile)
+        if name in label.slos:
+            ax.axhline(label.slos[name], color="black", linestyle="--", linewidth=1.0,
+                       label=f"SLO {name} {label.slos[name]:g} ms")  # fmt: skip
         ax.set_title(f"{name.upper()} vs request rate")
-        ax.set_xlabel("offered request rate (req/s)")
+        ax.set_xlabel("offered request rate (req/s)" + ("; inf drawn at 2x" if finite else ""))
         ax.set_ylabel("ms")
         ax.grid(alpha=0.3)
         twin = ax.twinx()
-        twin.plot(xs, [p["request_throughput"] for p in points], "x:", color="grey")
+        twin.plot(xs, values("request_throughput"), "x:", color="grey", label="achieved req/s")
         twin.set_ylabel("achieved req/s", color="grey")
-        ax.legend(loc="upper left")
+        handles, labels = ax.get_legend_handles_labels()
+        more, more_labels = twin.get_legend_handles_labels()
+        ax.legend(handles + more, labels + more_labels, loc="upper left", fontsize=8)
+    fig.suptitle(f"Rate sweep\n{label.subtitle()}", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
+
+
+def plot_run(run: RunOutput, stem: Path, label: RunLabel) -> list[Path]:
+    """``<stem>_latency_cdf.png``, ``<stem>_timeline.png`` and ``<stem>_workload.png``."""
+    figures = {
+        "latency_cdf": latency_figure,
+        "timeline": timeline_figure,
+        "workload": workload_figure,
+    }
+    return [
+        _save(make(run, label), stem.with_name(f"{stem.name}_{kind}.png"))
+        for kind, make in figures.items()
+    ]
+
+
+def plot_sweep(points: list[dict], path: Path, label: RunLabel, percentile: str = "p99") -> Path:
+    """The sweep's latency-vs-rate figure, saved to ``path``."""
+    return _save(sweep_figure(points, label, percentile), path)

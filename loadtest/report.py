@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.client import ClientConfig, RunOutput
-from loadtest.metrics import METRICS, Metrics, percentile_name
+from loadtest.metrics import METRICS, Metrics, meets, percentile_name
 
 SUMMARY_KEYS = (
     "date",
@@ -33,6 +33,7 @@ SUMMARY_KEYS = (
     "max_output_tokens_per_s",
     "max_concurrent_requests",
 )
+CONFIG_KEY = "config"  # ours, beside vLLM's keys
 DETAIL_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors")
 NAMES = {
     "ttft": "Time to First Token",
@@ -47,16 +48,42 @@ def _number(value: float) -> float | str:
     return "inf" if isinstance(value, float) and math.isinf(value) else value
 
 
-def result_dict(cfg: ClientConfig, run: RunOutput, m: Metrics, detail: bool = True) -> dict:
+def run_config(cfg: ClientConfig, run: RunOutput, settings: dict[str, Any] | None = None) -> dict:
+    """The run's ``config``: what was sent where (endpoint, sampling), how it ended, and the
+    caller's ``settings`` (dataset, seed, SLOs, limits) so that a saved result describes itself."""
+    return {
+        "endpoint": cfg.url,
+        "stream": cfg.stream,
+        "ignore_eos": cfg.ignore_eos,
+        "temperature": cfg.temperature,
+        "request_timeout": cfg.request_timeout,
+        "num_warmups": cfg.num_warmups,
+        "schedule": run.schedule.describe(),
+        **(settings or {}),
+        "interrupted": bool(run.stopped),
+        "stopped": run.stopped or None,
+        "num_cancelled": run.num_cancelled,
+    }
+
+
+def result_dict(
+    cfg: ClientConfig,
+    run: RunOutput,
+    m: Metrics,
+    detail: bool = True,
+    settings: dict[str, Any] | None = None,
+) -> dict:
     """The ``--save-result`` document: exactly ``SUMMARY_KEYS``, the ``{mean,median,std,pNN}_
-    {ttft,tpot,itl,e2el}_ms`` statistics, and (with ``detail``) the per-request lists."""
+    {ttft,tpot,itl,e2el}_ms`` statistics (null when a metric has no samples), and (with
+    ``detail``) the per-request lists, as ``vllm bench serve`` writes them; and beside them one
+    key of ours, ``config`` (``run_config``)."""
     schedule = run.schedule
     rate: Any = _number(schedule.rate)
     if schedule.ramped:
         rate = f"ramp:{schedule.ramp_start_rate:g}-{schedule.ramp_end_rate:g}"
     doc: dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai-chat" if cfg.chat else "openai",
+        "backend": backend(cfg),
         "model_id": cfg.model,
         "num_prompts": len(run.send_times),
         "request_rate": rate,
@@ -82,7 +109,13 @@ def result_dict(cfg: ClientConfig, run: RunOutput, m: Metrics, detail: bool = Tr
         doc["itls"] = [r.itls for r in run.results]
         doc["generated_texts"] = [r.generated_text for r in run.results]
         doc["errors"] = [r.error_detail or r.error for r in run.results]
+    doc[CONFIG_KEY] = run_config(cfg, run, settings)
     return doc
+
+
+def backend(cfg: ClientConfig) -> str:
+    """vLLM's backend name for the endpoint."""
+    return "openai-chat" if cfg.chat else "openai"
 
 
 def default_filename(cfg: ClientConfig, run: RunOutput) -> str:
@@ -92,57 +125,61 @@ def default_filename(cfg: ClientConfig, run: RunOutput) -> str:
         rate = "inf" if math.isinf(run.schedule.rate) else f"{run.schedule.rate:g}"
     conc = f"-concurrency{cfg.max_concurrency}" if cfg.max_concurrency else ""
     model = cfg.model.split("/")[-1]
-    backend = "openai-chat" if cfg.chat else "openai"
-    return f"{backend}-{rate}qps{conc}-{model}-{datetime.now():%Y%m%d-%H%M%S}.json"
+    return f"{backend(cfg)}-{rate}qps{conc}-{model}-{datetime.now():%Y%m%d-%H%M%S}.json"
+
+
+def _finite(value: Any) -> Any:
+    """NaN (a rate over a run of no duration) as null: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def save_json(doc: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(_finite(doc), indent=2) + "\n", encoding="utf-8")
     return path
 
 
-def save_csv(run: RunOutput, path: Path) -> Path:
-    """One row per request: when it was sent, what it asked for, how it went."""
+def save_csv(run: RunOutput, path: Path, slos: dict[str, float] | None = None) -> Path:
+    """One row per request: when it was sent, what it asked for, how it went, and ``good``
+    (1 when it completed within every ``--goodput`` limit; empty without SLOs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    header = ["index", "turn", "start_s", "ok", "good", "error", "input_len", "output_len",
+              "ttft_ms", "tpot_ms", "e2el_ms", "num_chunks", "mean_itl_ms"]  # fmt: skip
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(
-            [
-                "index",
-                "turn",
-                "start_s",
-                "ok",
-                "error",
-                "input_len",
-                "output_len",
-                "ttft_ms",
-                "tpot_ms",
-                "e2el_ms",
-                "num_chunks",
-                "mean_itl_ms",
-            ]
-        )
+        w.writerow(header)
         for r in run.results:
             tpot = r.tpot
-            itl = sum(r.itls) / len(r.itls) * 1000 if r.itls else ""
+            itl = sum(r.itls) / len(r.itls) * 1000 if r.itls else None
             w.writerow(
                 [
                     r.index,
                     r.turn,
                     f"{r.start:.6f}",
                     int(r.ok),
+                    int(meets(r, slos)) if slos else "",
                     r.error,
                     r.prompt_len,
                     r.output_len,
-                    f"{r.ttft * 1000:.3f}",
+                    f"{r.ttft * 1000:.3f}" if r.ok else "",
                     "" if tpot is None else f"{tpot * 1000:.3f}",
                     f"{r.e2el * 1000:.3f}",
                     len(r.chunk_times),
-                    itl if itl == "" else f"{itl:.3f}",
+                    "" if itl is None else f"{itl:.3f}",
                 ]
             )
     return path
+
+
+def describe_slos(slos: dict[str, float]) -> str:
+    """``{"ttft": 500, "tpot": 50}`` -> ``"ttft<=500 tpot<=50"`` (ms)."""
+    return " ".join(f"{name}<={limit:g}" for name, limit in slos.items())
 
 
 def summary_table(
@@ -150,16 +187,23 @@ def summary_table(
     run: RunOutput,
     m: Metrics,
     selected: tuple[str, ...] = ("ttft", "tpot", "itl"),
+    slos: dict[str, float] | None = None,
 ) -> str:
-    """The human-readable summary (vLLM's layout)."""
-    lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
+    """The human-readable summary (vLLM's layout); a metric without samples reads ``n/a``."""
+    title = " Serving Benchmark Result " if not run.stopped else " PARTIAL Result (stopped) "
+    lines = ["{s:{c}^60}".format(s=title, c="=")]
+    if run.stopped:
+        lines.append(f"Stopped early: {run.stopped}")
 
     def row(label: str, value: Any, fmt: str = ".2f") -> None:
-        text = "n/a" if value is None else format(value, fmt) if fmt else str(value)
+        missing = value is None or isinstance(value, float) and math.isnan(value)
+        text = "n/a" if missing else format(value, fmt) if fmt else str(value)
         lines.append(f"{label:<45}{text:>15}")
 
     row("Successful requests:", m.completed, "d")
     row("Failed requests:", m.failed, "d")
+    if run.stopped:
+        row("Cancelled in flight (not counted):", run.num_cancelled, "d")
     row("Request rate configured (RPS):", run.schedule.describe(), "")
     if not math.isinf(run.scheduled_rate):
         row("Scheduled arrival rate (RPS):", run.scheduled_rate)
@@ -171,6 +215,7 @@ def summary_table(
     row("Total generated tokens:", m.total_output_tokens, "d")
     row("Request throughput (req/s):", m.request_throughput)
     if m.request_goodput is not None:
+        row("Goodput SLOs (ms):", describe_slos(slos or {}) or "?", "")
         row("Request goodput (req/s):", m.request_goodput)
         row("SLO attainment (incl. failed):", m.slo_attainment, ".3f")
     row("Output token throughput (tok/s):", m.output_throughput)
@@ -185,6 +230,8 @@ def summary_table(
         row(f"Median {name.upper()} (ms):", m.stats[f"median_{name}_ms"])
         row(f"Std {name.upper()} (ms):", m.stats[f"std_{name}_ms"])
         for p in m.percentiles:
+            if p == 50:  # the median, already shown
+                continue
             key = percentile_name(p)
             row(f"P{key[1:]} {name.upper()} (ms):", m.stats[f"{key}_{name}_ms"])
     if m.errors:
@@ -195,33 +242,100 @@ def summary_table(
     return "\n".join(lines)
 
 
-# Which direction is better, for marking --compare output: lower for latencies and failures,
-# higher for the rest, and no mark for what describes the load rather than the server.
-LOWER_IS_BETTER = ("_ms", "failed")
-NEUTRAL = {"num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
-           "total_input_tokens", "total_output_tokens", "max_concurrent_requests"}  # fmt: skip
+# Settings of a run (vLLM's keys that describe the load, not the server): differing ones are
+# warned about and never marked better or worse.
+SETTINGS = ("backend", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency")
+# What --compare marks: latencies (lower is better) and rates of work (higher is better).
+# Counts (completed, failed, tokens) follow from the settings and get no mark.
+HIGHER_IS_BETTER = {"request_throughput", "request_goodput", "output_throughput",
+                    "total_token_throughput", "max_output_tokens_per_s"}  # fmt: skip
+SKIP = {"date", CONFIG_KEY, *DETAIL_KEYS}
+
+
+def _text(value: Any) -> str:
+    """A value in full (never cut): floats to 4 significant digits below 1, 2 decimals above."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.2f}" if abs(value) >= 1 else f"{value:.4g}"
+
+
+def _flat(doc: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in doc.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def differing_settings(a: dict, b: dict) -> list[str]:
+    """``key: A vs B`` for each setting (vLLM's, and those in ``config``) that differs."""
+    keys = [*SETTINGS, *(f"{CONFIG_KEY}.{k}" for k in _flat(a.get(CONFIG_KEY) or {}))]
+    keys += [
+        f"{CONFIG_KEY}.{k}"
+        for k in _flat(b.get(CONFIG_KEY) or {})
+        if f"{CONFIG_KEY}.{k}" not in keys
+    ]
+    flat_a, flat_b = _flat(a), _flat(b)
+    return [
+        f"{key}: {_text(flat_a.get(key))} vs {_text(flat_b.get(key))}"
+        for key in keys
+        if flat_a.get(key) != flat_b.get(key)
+    ]
 
 
 def compare(a: dict, b: dict, name_a: str = "A", name_b: str = "B") -> str:
-    """A table of every numeric summary value two saved runs share: A, B, B - A, change."""
-    lines = [f"{'metric':<32}{name_a[-14:]:>14}{name_b[-14:]:>14}{'B-A':>12}{'change':>10}"]
-    for key, va in a.items():
-        vb = b.get(key)
-        if key in DETAIL_KEYS or isinstance(va, bool) or isinstance(vb, bool):
+    """Two saved runs side by side: every summary value of both, B - A, the change, and for
+    latencies and throughputs whether B is better or worse; a warning first when the runs'
+    settings differ (then not every difference is the server's)."""
+    rows: list[list[str]] = []
+    for key in [*a, *(k for k in b if k not in a)]:
+        va, vb = a.get(key), b.get(key)
+        if key in SKIP or key in SETTINGS and va == vb:
             continue
-        if not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
-            if va != vb and key != "date" and key in b:
-                lines.append(f"{key:<32}{str(va)[-14:]:>14}{str(vb)[-14:]:>14}")
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (va, vb))
+        if not numeric:
+            if va != vb or va is None:
+                rows.append([key, _text(va), _text(vb), "", "", ""])
             continue
+        assert isinstance(va, (int, float)) and isinstance(vb, (int, float))
         delta = vb - va
         change = f"{delta / va * 100:+.1f}%" if va else ""
         mark = ""
-        if delta and key not in NEUTRAL:
-            better = (delta < 0) == key.endswith(LOWER_IS_BETTER)
-            mark = " better" if better else " worse"
-        lines.append(f"{key:<32}{va:>14.4g}{vb:>14.4g}{delta:>+12.4g}{change:>10}{mark}")
+        lower, higher = key.endswith("_ms"), key in HIGHER_IS_BETTER
+        if delta and (lower or higher) and key not in SETTINGS:
+            mark = "better" if (delta < 0) == lower else "worse"
+        rows.append([key, _text(va), _text(vb), f"{'+' if delta >= 0 else ''}{_text(delta)}",
+                     change, mark])  # fmt: skip
+    header = ["metric", name_a, name_b, "B-A", "change", ""]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    if warnings := differing_settings(a, b):
+        lines.append("warning: the runs differ in these settings, so not every difference below")
+        lines.append("is the server's:")
+        lines += [f"  {w}" for w in warnings]
+        lines.append("")
+    for r in [header, *rows]:
+        cells = [r[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(r[1:5], widths[1:5])), r[5]]
+        lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
 
 def load_json(path: str | Path) -> dict:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """A saved result; ``ValueError`` naming the file when it is missing or not one."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path}: no such file (give the .json a --save-result run wrote)"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a saved result ({exc})") from None
+    if not isinstance(doc, dict) or "completed" not in doc:
+        raise ValueError(f"{path}: not a saved result of pdserve-loadtest or vllm bench serve")
+    return doc

@@ -10,6 +10,7 @@ from typing import Any
 
 from loadtest.arrivals import Schedule
 from loadtest.client import ClientConfig, RunOutput, run
+from loadtest.control import Stop
 from loadtest.datasets import Sample
 from loadtest.metrics import Metrics, compute
 from loadtest.report import result_dict
@@ -32,12 +33,14 @@ class SearchResult:
     target: float
     probes: list[Probe] = field(default_factory=list)
     converged: bool = False
+    stopped: str = ""  # why the search ended early (Ctrl-C, a 4xx)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "max_rate": self.max_rate,
             "slo_attainment_target": self.target,
             "converged": self.converged,
+            "stopped": self.stopped or None,
             "probes": [
                 {"rate": p.rate, "slo_attainment": p.attainment, **p.summary} for p in self.probes
             ],
@@ -57,6 +60,12 @@ class RunSpec:
     slos: dict[str, float] = field(default_factory=dict)
     percentiles: tuple[float, ...] = (99.0,)
     count: Callable[[str], int] | None = None
+    stop: Stop | None = None  # Ctrl-C ends the current run and the series
+    settings: dict[str, Any] = field(default_factory=dict)  # the saved results' config
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop is not None and self.stop.is_set
 
 
 async def run_at(spec: RunSpec, rate: float) -> tuple[RunOutput, Metrics]:
@@ -64,7 +73,14 @@ async def run_at(spec: RunSpec, rate: float) -> tuple[RunOutput, Metrics]:
     only in their timing)."""
     schedule = replace(spec.schedule, rate=rate, ramp_start_rate=None, ramp_end_rate=None)
     out = await run(
-        spec.cfg, spec.samples, schedule, spec.num_prompts, spec.duration, spec.seed, spec.count
+        spec.cfg,
+        spec.samples,
+        schedule,
+        spec.num_prompts,
+        spec.duration,
+        spec.seed,
+        spec.count,
+        spec.stop,
     )
     return out, compute(out, spec.slos, spec.percentiles)
 
@@ -72,14 +88,17 @@ async def run_at(spec: RunSpec, rate: float) -> tuple[RunOutput, Metrics]:
 async def sweep(
     spec: RunSpec, rates: list[float], on_run: Callable[[float, RunOutput, Metrics], None]
 ) -> list[dict[str, Any]]:
-    """A run per rate; ``on_run`` sees each (to print or save it). Returns the summaries."""
+    """A run per rate; ``on_run`` sees each (to print or save it). Returns the summaries (of
+    the runs done so far when the series is stopped)."""
     points = []
     for rate in rates:
         out, m = await run_at(spec, rate)
         on_run(rate, out, m)
-        summary = result_dict(spec.cfg, out, m, detail=False)
+        summary = result_dict(spec.cfg, out, m, detail=False, settings=spec.settings)
         summary["slo_attainment"] = m.slo_attainment
         points.append(summary)
+        if spec.stopped:
+            break
     return points
 
 
@@ -106,7 +125,11 @@ async def search(
     while len(result.probes) < max_probes:
         out, m = await run_at(spec, rate)
         attainment = m.slo_attainment or 0.0
-        probe = Probe(rate, attainment, result_dict(spec.cfg, out, m, detail=False))
+        summary = result_dict(spec.cfg, out, m, detail=False, settings=spec.settings)
+        probe = Probe(rate, attainment, summary)
+        if spec.stop is not None and spec.stop.is_set:  # a cut-short probe says nothing
+            result.stopped = spec.stop.reason
+            break
         result.probes.append(probe)
         if on_probe is not None:
             on_probe(probe)

@@ -34,6 +34,7 @@ class StandinConfig:
     capacity: int = 1000
     fail_every: int = 0  # every n-th request answers 500 (0: never)
     token: str = " tok"
+    check_model: bool = False  # answer 404 (OpenAI's message) for any model but MODEL
 
 
 def make_app(cfg: StandinConfig):  # type: ignore[no-untyped-def]
@@ -64,6 +65,10 @@ def make_app(cfg: StandinConfig):  # type: ignore[no-untyped-def]
         body = await request.json()
         chat = request.url.path.endswith("chat/completions")
         counter["n"] += 1
+        if cfg.check_model and body.get("model") != MODEL:
+            message = f"The model `{body.get('model')}` does not exist."
+            error = {"message": message, "type": "NotFoundError", "code": 404}
+            return JSONResponse({"error": error}, status_code=404)
         if cfg.fail_every and counter["n"] % cfg.fail_every == 0:
             return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
         n = int(body.get("max_tokens") or 16)
@@ -121,11 +126,17 @@ def sse(payload: dict) -> bytes:
 
 @contextmanager
 def standin(
-    ttft: float = 0.02, itl: float = 0.005, capacity: int = 1000, fail_every: int = 0
+    ttft: float = 0.02,
+    itl: float = 0.005,
+    capacity: int = 1000,
+    fail_every: int = 0,
+    check_model: bool = False,
 ) -> Iterator[str]:
     """The server in a child process; yields its base URL and stops it afterwards."""
     args = [sys.executable, str(Path(__file__).resolve()), "--ttft", str(ttft), "--itl", str(itl),
             "--capacity", str(capacity), "--fail-every", str(fail_every)]  # fmt: skip
+    if check_model:
+        args.append("--check-model")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -166,8 +177,9 @@ def main() -> None:
     p.add_argument("--itl", type=float, default=0.005)
     p.add_argument("--capacity", type=int, default=1000)
     p.add_argument("--fail-every", type=int, default=0)
+    p.add_argument("--check-model", action="store_true")
     a = p.parse_args()
-    cfg = StandinConfig(a.ttft, a.itl, a.capacity, a.fail_every)
+    cfg = StandinConfig(a.ttft, a.itl, a.capacity, a.fail_every, check_model=a.check_model)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

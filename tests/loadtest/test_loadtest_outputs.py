@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.cli import main
-from loadtest.report import DETAIL_KEYS, SUMMARY_KEYS
+from loadtest.report import CONFIG_KEY, DETAIL_KEYS, SUMMARY_KEYS
 from tests.loadtest.standin import MODEL, standin
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -44,10 +44,12 @@ def test_saved_result_csv_and_plots(server, tmp_path, capsys) -> None:  # type: 
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Request goodput" in printed
+    assert "ttft<=500 tpot<=50" in printed  # the SLOs goodput used
+    assert "Median TTFT" in printed and "P50 TTFT" not in printed  # no duplicate of the median
     doc = json.loads((tmp_path / "run.json").read_text())
     percentiles = [f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
                    for p in ("p50", "p90", "p99.9")]  # fmt: skip
-    assert set(doc) == {*SUMMARY_KEYS, *STATS, *percentiles, *DETAIL_KEYS}
+    assert set(doc) == {*SUMMARY_KEYS, *STATS, *percentiles, *DETAIL_KEYS, CONFIG_KEY}
     assert doc["model_id"] == MODEL  # found through /v1/models without --model
     assert (doc["completed"], doc["failed"], doc["num_prompts"]) == (12, 0, 12)
     assert doc["request_rate"] == 100 and doc["burstiness"] == 1.0
@@ -57,10 +59,14 @@ def test_saved_result_csv_and_plots(server, tmp_path, capsys) -> None:  # type: 
     assert sum(doc["output_lens"]) == doc["total_output_tokens"]
     assert all(3 <= n <= 9 for n in doc["output_lens"])
     assert doc["errors"] == [""] * 12
+    config = doc[CONFIG_KEY]
+    assert config["endpoint"] == f"{server}/v1/completions" and config["seed"] == 1
+    assert config["slos_ms"] == {"ttft": 500, "tpot": 50} and not config["interrupted"]
+    assert config["dataset"]["name"] == "random" and config["dataset"]["input_len"] == 16
 
     with (tmp_path / "run_requests.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 12 and all(r["ok"] == "1" for r in rows)
+    assert len(rows) == 12 and all(r["ok"] == "1" and r["good"] == "1" for r in rows)
     assert [int(r["output_len"]) for r in rows] == doc["output_lens"]
 
     for kind in ("latency_cdf", "timeline", "workload"):
@@ -124,6 +130,7 @@ def test_bad_arguments_and_a_dead_server(capsys) -> None:  # type: ignore[no-unt
     # A run that would never end is refused.
     assert main([*dead, "--duration", "1"]) == 2
     assert "--max-concurrency" in capsys.readouterr().err
-    # Every request fails, each counted by type; the exit status says nothing completed.
-    assert main([*dead, "--num-prompts", "3", "--random-input-len", "4"]) == 1
-    assert "connect_error:" in capsys.readouterr().out
+    # No server: one line naming the flag, before anything is sent.
+    assert main([*dead, "--num-prompts", "3", "--random-input-len", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--base-url http://127.0.0.1:9" in err and len(err.strip().splitlines()) == 1
