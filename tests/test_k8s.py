@@ -46,10 +46,16 @@ BUILDS = {
     "gpu": K8S / "overlays" / "gpu",
     "custom-metrics": K8S / "overlays" / "custom-metrics",
     "router-metrics": K8S / "overlays" / "router-metrics",
+    "monitoring": K8S / "overlays" / "monitoring",
 }
 GPU_BUILDS = ("gpu", "custom-metrics", "router-metrics")
 # Builds that scale the worker pools on pdserve's own metrics -> the HPA metric type they use.
 METRIC_BUILDS = {"custom-metrics": "Pods", "router-metrics": "External"}
+# Builds with the monitoring component (Prometheus Operator objects, headless worker Services).
+MONITORING_BUILDS = ("monitoring",)
+# API groups whose objects kubernetes-validate has no schema for (CRDs): checked structurally.
+OPERATOR_GROUP = "monitoring.coreos.com"
+RULES_FILE = ROOT / "monitoring" / "prometheus" / "rules.yml"
 # Oldest Kubernetes the manifests promise (native gRPC probes are GA since 1.27; 1.30 is the
 # oldest release still maintained upstream) and the newest the schema package ships.
 K8S_VERSIONS = ("1.30", ".".join(latest_version().split(".")[:2]))
@@ -230,7 +236,10 @@ def test_builds_contain_every_component(builds: dict[str, list[Object]]) -> None
         kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
         assert len(kinds) == len(objects), f"{name}: duplicate objects"
         assert set(objects_of(objects, "Deployment")) == {"router", "prefill", "decode", "redis"}
-        assert set(objects_of(objects, "Service")) == {"router", "redis"}
+        services = {"router", "redis"} | (
+            {"prefill", "decode"} if name in MONITORING_BUILDS else set()
+        )
+        assert set(objects_of(objects, "Service")) == services, name
         assert set(objects_of(objects, "HorizontalPodAutoscaler")) == set(POOLS)
         assert set(objects_of(objects, "ConfigMap")) == {"pdserve-config"}
         for obj in objects:
@@ -246,6 +255,8 @@ def test_every_object_validates_against_the_kubernetes_schema(
 ) -> None:
     errors = []
     for obj in builds[build_name]:
+        if obj["apiVersion"].split("/")[0] == OPERATOR_GROUP:
+            continue  # no schema here: test_prometheus_operator_objects_* check them
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -585,3 +596,94 @@ def test_gpu_overlay_puts_each_pool_on_its_own_node_class(
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in (
                 tolerations
             )
+
+
+# Fields of the Prometheus Operator's CRDs (monitoring.coreos.com/v1) that k8s/ may use: a
+# structural stand-in for the CRD schemas, which kubernetes-validate does not ship.
+SERVICE_MONITOR_SPEC = {"selector", "endpoints", "namespaceSelector", "jobLabel"}
+SERVICE_MONITOR_ENDPOINT = {"port", "path", "interval", "scrapeTimeout", "scheme"}
+RULE_GROUP = {"name", "interval", "rules"}
+RULE = {"record", "alert", "expr", "for", "labels", "annotations"}
+DURATION = re.compile(r"^(\d+(ms|s|m|h))+$")
+
+
+def operator_objects(objects: list[Object]) -> dict[str, list[Object]]:
+    """The build's Prometheus Operator objects by kind; nothing else of that API group."""
+    found: dict[str, list[Object]] = {}
+    for obj in objects:
+        if obj["apiVersion"].split("/")[0] == OPERATOR_GROUP:
+            assert obj["apiVersion"] == f"{OPERATOR_GROUP}/v1", obj["apiVersion"]
+            assert obj["kind"] in ("ServiceMonitor", "PrometheusRule"), obj["kind"]
+            assert set(obj) == {"apiVersion", "kind", "metadata", "spec"}, set(obj)
+            found.setdefault(obj["kind"], []).append(obj)
+    return found
+
+
+def test_prometheus_operator_objects_only_in_the_monitoring_build(
+    builds: dict[str, list[Object]],
+) -> None:
+    for name, objects in builds.items():
+        kinds = operator_objects(objects)
+        if name in MONITORING_BUILDS:
+            assert len(kinds["ServiceMonitor"]) == 2 and len(kinds["PrometheusRule"]) == 1, name
+        else:
+            assert kinds == {}, name
+
+
+def test_service_monitors_scrape_every_pdserve_pod_where_it_serves_metrics(
+    builds: dict[str, list[Object]],
+) -> None:
+    """Each ServiceMonitor selects Services of the build by label; each endpoint names a port of
+    the Services it selects, whose targetPort is the container port the pod's process serves
+    /metrics on (the prometheus.io/port annotation, which the test above ties to the process's
+    own flags); together they cover the router and both worker pools."""
+    for name in MONITORING_BUILDS:
+        objects = builds[name]
+        services = objects_of(objects, "Service")
+        deployments = objects_of(objects, "Deployment")
+        scraped: set[str] = set()
+        for monitor in operator_objects(objects)["ServiceMonitor"]:
+            spec = monitor["spec"]
+            assert set(spec) <= SERVICE_MONITOR_SPEC, set(spec) - SERVICE_MONITOR_SPEC
+            selected = [
+                s for s in services.values() if _selects(spec["selector"], s["metadata"]["labels"])
+            ]
+            assert selected, f"{monitor['metadata']['name']} selects no Service"
+            assert "namespaceSelector" not in spec  # its own namespace: where the Services are
+            for endpoint in spec["endpoints"]:
+                assert set(endpoint) <= SERVICE_MONITOR_ENDPOINT, endpoint
+                assert DURATION.match(endpoint["interval"]), endpoint
+                for service in selected:
+                    port = next(
+                        p for p in service["spec"]["ports"] if p.get("name") == endpoint["port"]
+                    )  # the Service names the port the endpoint scrapes
+                    component = service["spec"]["selector"]["app.kubernetes.io/component"]
+                    deployment = deployments[component]
+                    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+                    (container,) = pod_spec(deployment)["containers"]
+                    assert container_port(container, port["targetPort"]) == int(
+                        annotations["prometheus.io/port"]
+                    ), (monitor["metadata"]["name"], service["metadata"]["name"])
+                    assert endpoint["path"] == annotations["prometheus.io/path"] == "/metrics"
+                    scraped.add(component)
+        assert scraped == set(POOLS), scraped
+        # Headless: nothing connects through the worker Services; they only list the pods.
+        for pool in ("prefill", "decode"):
+            assert services[pool]["spec"]["clusterIP"] == "None"
+            assert [p["name"] for p in services[pool]["spec"]["ports"]] == ["metrics"]
+
+
+def test_prometheus_rule_carries_the_rules_file(builds: dict[str, list[Object]]) -> None:
+    """The PrometheusRule's groups are monitoring/prometheus/rules.yml's, which promtool checks
+    and unit-tests (tests/test_monitoring.py): one file of rules for compose and Kubernetes."""
+    rules_file = yaml.safe_load(RULES_FILE.read_text())
+    for name in MONITORING_BUILDS:
+        (rule,) = operator_objects(builds[name])["PrometheusRule"]
+        assert rule["spec"] == rules_file, "run: python monitoring/prometheusrule.py"
+        for group in rule["spec"]["groups"]:
+            assert set(group) <= RULE_GROUP and group["rules"], group.get("name")
+            for entry in group["rules"]:
+                assert set(entry) <= RULE and entry["expr"], entry
+                assert ("record" in entry) != ("alert" in entry), entry
+                if "for" in entry:
+                    assert DURATION.match(entry["for"]), entry
