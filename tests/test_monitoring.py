@@ -216,7 +216,8 @@ def test_the_alerts_operators_page_on_exist() -> None:
 def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
     tests = yaml.safe_load((PROMETHEUS_DIR / "rules_test.yml").read_text())
     assert tests["rule_files"] == ["rules.yml"]
-    firing, silent = set(), set()
+    firing: set[str] = set()
+    silent: set[str] = set()
     for group in tests["tests"]:
         for case in group.get("alert_rule_test", []):
             (firing if case["exp_alerts"] else silent).add(case["alertname"])
@@ -289,7 +290,8 @@ def test_dashboard_is_well_formed() -> None:
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
     datasource = {"type": "prometheus", "uid": "${datasource}"}
-    ids, cells = set(), set()
+    ids: set[int] = set()
+    cells: set[tuple[int, int]] = set()
     for panel in board["panels"]:
         assert panel["title"], panel
         assert panel["id"] not in ids, panel["title"]
