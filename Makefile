@@ -24,7 +24,9 @@ setup: $(STAMP)
 up: setup
 	$(VENV)/bin/pdserve up
 
+# .ci/ensure-tools.sh: kubectl (kustomize) and promtool for the deployment tests, from Debian.
 test: setup
+	bash .ci/ensure-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Regenerate the gRPC stubs from protos/pdserve.proto (tests fail when they are stale).
