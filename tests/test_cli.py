@@ -91,6 +91,7 @@ def test_the_installed_commands_run_outside_the_checkout(tmp_path):
         ["pdserve", "--version"],
         ["pdserve", "up", "--help"],
         ["pdserve-loadtest", "-h"],
+        ["pdserve-loadtest", "--version"],
     ):
         proc = subprocess.run(
             [os.path.join(bin_dir, command[0]), *command[1:]],
