@@ -63,6 +63,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import interference  # noqa: E402  (benchmarks/interference.py)
+import ttft_phases  # noqa: E402  (benchmarks/ttft_phases.py)
 from machine import machine_info  # noqa: E402  (benchmarks/machine.py)
 
 from loadtest.arrivals import Schedule  # noqa: E402
@@ -255,28 +256,39 @@ def save_partial(out: dict[str, Any], path: Path = Path("/tmp/goodput_partial.pi
     path.write_bytes(pickle.dumps(out))
 
 
+Phases = dict[str, dict[str, dict[str, dict[str, Any]]]]  # [config][preset][rate]
+
+
 def measure(
     plan: Plan,
-) -> tuple[dict[str, dict[str, dict[str, RunOutput]]], dict[str, interference.InterferenceResult]]:
-    """out[config][preset]["base" or rate] = the run's output, every configuration in turn; and
-    each configuration's interference experiment."""
+) -> tuple[
+    dict[str, dict[str, dict[str, RunOutput]]], dict[str, interference.InterferenceResult], Phases
+]:
+    """out[config][preset]["base" or rate] = the run's output, every configuration in turn; each
+    configuration's interference experiment; and where each rate's TTFT went (the router's
+    phase histograms, KV sources and disaggregation decisions during that run)."""
     from services.redis_server import RedisServer
 
     out: dict[str, dict[str, dict[str, RunOutput]]] = {}
+    phases: Phases = {}
     hol: dict[str, interference.InterferenceResult] = {}
     bar = tqdm(total=plan.num_runs, unit="run", dynamic_ncols=True, file=sys.stderr)
     with RedisServer() as redis:
         for name in plan.configs:
             bar.set_description(f"{name}: starting")
             with deployed(name, redis.url, plan.router_args) as d:
-                out[name] = {}
+                out[name], phases[name] = {}, {}
                 for preset, rates in plan.rates.items():
                     bar.set_description(f"{name} {preset} baseline")
                     runs = {"base": baseline(d.url, plan.base_samples[preset])}
                     bar.update(1)
+                    phases[name][preset] = {}
                     for rate in rates:
                         bar.set_description(f"{name} {preset} {rate:g} req/s")
+                        before = ttft_phases.scrape(d.url)
                         runs[f"{rate:g}"] = at_rate(d.url, plan.samples[preset], rate, plan.seed)
+                        after = ttft_phases.scrape(d.url)
+                        phases[name][preset][f"{rate:g}"] = ttft_phases.difference(before, after)
                         bar.update(1)
                     out[name][preset] = runs
                 if plan.interference:
@@ -285,7 +297,7 @@ def measure(
                     bar.update(1)
             save_partial(out)
     bar.close()
-    return out, hol
+    return out, hol, phases
 
 
 # -- the results --------------------------------------------------------------------------------
@@ -338,9 +350,13 @@ def row_of(m: Metrics) -> dict[str, float]:
 
 
 def summarize(
-    out: dict[str, dict[str, dict[str, RunOutput]]], plan: Plan, args: argparse.Namespace
+    out: dict[str, dict[str, dict[str, RunOutput]]],
+    plan: Plan,
+    args: argparse.Namespace,
+    phases: Phases,
 ) -> dict[str, Any]:
-    """Per preset: the SLOs, each configuration's unloaded latencies and a row per rate."""
+    """Per preset: the SLOs, each configuration's unloaded latencies, a row per rate and where
+    each rate's TTFT went."""
     summary: dict[str, Any] = {}
     for preset, rates in plan.rates.items():
         runs = {name: out[name][preset] for name in out}
@@ -361,6 +377,7 @@ def summarize(
             "unloaded": unloaded,
             "rows": table,
             "max_rate_under_slo": {n: {"rate": r, "how": how} for n, (r, how) in max_rates.items()},
+            "ttft_phases": {name: phases[name][preset] for name in runs},
         }
     return summary
 
@@ -386,6 +403,11 @@ def print_preset(preset: str, result: dict[str, Any]) -> None:
                 f"{r['p99_tpot_ms']:>8.1f}{r['p50_itl_ms']:>9.1f}{r['p99_itl_ms']:>8.1f}"
                 f"{r['out_tok_per_s']:>8.1f}{r['failed']:>5}"
             )
+    print("TTFT phases, mean ms per request that went through each (router metrics):")
+    print("  " + ttft_phases.header())
+    for name, by_rate in result["ttft_phases"].items():
+        for rate, phases in by_rate.items():
+            print("  " + ttft_phases.format_row(name, rate, phases))
     print("best per rate (goodput, then attainment):")
     rates = next(iter(result["rows"].values())).keys()
     for rate in rates:
@@ -545,9 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     print(describe_workload(plan, args))
     started = time.monotonic()
-    out, hol = measure(plan)
+    out, hol, phases = measure(plan)
     elapsed = time.monotonic() - started
-    summary = summarize(out, plan, args)
+    summary = summarize(out, plan, args, phases)
     for preset, result in summary.items():
         print_preset(preset, result)
     print_interference(hol)

@@ -75,6 +75,11 @@ class RouterConfig:
         "conditional: when the least busy prefill worker has more prompt tokens in flight than "
         "this, prompts with no more uncached tokens than that go to their decode worker",
     )
+    decode_busy_sequences: int = setting(
+        32,
+        "conditional: a decode worker running this many sequences or more does not prefill "
+        "for a busy prefill pool (its prefill would stall all of them)",
+    )
     stream_kv: bool = setting(
         True,
         "pull a prompt's KV while it is computed, block by block (else after the prefill)",

@@ -6,8 +6,9 @@ For a short prompt, or one whose prefix the decode worker already caches, the qu
 prefill pool, the KV transfer and the extra hop cost more than computing the few uncached
 tokens where the tokens will be decoded anyway. A policy sees what the router knows when the
 request arrives: the prompt's length, how much of it the chosen decode worker caches (the
-registry's prefix index and the router's own memory of where it sent prompts), and the prompt
-tokens the least busy prefill worker still has in flight from this router.
+registry's prefix index and the router's own memory of where it sent prompts), the prompt
+tokens the least busy prefill worker still has in flight from this router, and how many
+sequences the decode worker is already running (a local prefill stalls every one of them).
 
 Policies are one class each (``always``, ``conditional``), chosen by ``--disaggregation``; every
 decision is counted (``pdserve_router_disaggregation_decisions_total{decision, reason}``) and
@@ -30,6 +31,7 @@ class RequestFacts:
     prompt_tokens: int
     cached_tokens: int  # of them, already in the chosen decode worker's prefix cache
     prefill_queue_tokens: int  # prompt tokens in flight on the least busy prefill worker
+    decode_sequences: int = 0  # running + waiting on the chosen decode worker
 
     @property
     def uncached_tokens(self) -> int:
@@ -69,15 +71,19 @@ class ConditionalDisaggregation(DisaggregationPolicy):
     - ``local_tokens``: a prompt with at most this many uncached tokens is computed locally
       (reason ``short``, or ``cached`` when its decode worker caches the rest);
     - ``busy_tokens``: when even the least busy prefill worker has more prompt tokens in flight
-      than this, a prompt no longer than that wait is computed locally (``prefill_busy``);
+      than this, a prompt no longer than that wait is computed locally (``prefill_busy``) -
+      unless the decode worker already runs ``decode_busy_sequences`` or more sequences: its
+      prefill would stall all of them, so the prompt waits for the prefill pool
+      (``decode_busy``);
     - anything else on a prefill worker (``long``).
     """
 
     name = "conditional"
 
-    def __init__(self, local_tokens: int, busy_tokens: int):
+    def __init__(self, local_tokens: int, busy_tokens: int, decode_busy_sequences: int = 2**31):
         self.local_tokens = local_tokens
         self.busy_tokens = busy_tokens
+        self.decode_busy_sequences = decode_busy_sequences
 
     def decide(self, facts: RequestFacts) -> Decision:
         uncached = facts.uncached_tokens
@@ -85,15 +91,17 @@ class ConditionalDisaggregation(DisaggregationPolicy):
             cached = facts.prompt_tokens > self.local_tokens
             return Decision(False, "cached" if cached else "short")
         if facts.prefill_queue_tokens > self.busy_tokens and uncached <= self.busy_tokens:
+            if facts.decode_sequences >= self.decode_busy_sequences:
+                return Decision(True, "decode_busy")
             return Decision(False, "prefill_busy")
         return Decision(True, "long")
 
 
 def make_disaggregation_policy(
-    name: str, local_tokens: int, busy_tokens: int
+    name: str, local_tokens: int, busy_tokens: int, decode_busy_sequences: int = 2**31
 ) -> DisaggregationPolicy:
     if name == "always":
         return AlwaysDisaggregate()
     if name == "conditional":
-        return ConditionalDisaggregation(local_tokens, busy_tokens)
+        return ConditionalDisaggregation(local_tokens, busy_tokens, decode_busy_sequences)
     raise ValueError(f"unknown disaggregation policy {name!r}; one of {DISAGGREGATION_POLICIES}")

@@ -96,7 +96,10 @@ class Orchestrator:
         assert context.prefixes is not None
         self.prefixes: PrefixIndex = context.prefixes
         self.disaggregation = make_disaggregation_policy(
-            config.disaggregation, config.local_prefill_tokens, config.prefill_busy_tokens
+            config.disaggregation,
+            config.local_prefill_tokens,
+            config.prefill_busy_tokens,
+            config.decode_busy_sequences,
         )
         policies["prefill"] = make_policy(config.prefill_policy, context)
         policies["decode"] = make_policy(config.decode_policy, context)
@@ -180,8 +183,12 @@ class Orchestrator:
         cached = (await self.prefixes.cached_blocks([decode], hashes))[decode.worker_id]
         waiting = self.calls.prefill_tokens
         queued = min((waiting[p.worker_id] for p in self.prefill_candidates(decode)), default=0)
+        # The registry's count is a heartbeat old; the router's own in-flight count is now.
+        sequences = max(
+            decode.num_running + decode.num_waiting, self.in_flight.get(decode.worker_id, 0)
+        )
         facts = RequestFacts(
-            len(sub.prompt_token_ids), cached * decode.fingerprint.block_size, queued
+            len(sub.prompt_token_ids), cached * decode.fingerprint.block_size, queued, sequences
         )
         decision = self.disaggregation.decide(facts)
         self.metrics.disaggregation.labels(decision=decision.label, reason=decision.reason).inc()

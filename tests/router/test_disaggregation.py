@@ -24,21 +24,30 @@ from tests.services.workers import metric
 LOCAL, BUSY = 64, 256
 
 
+DECODE_BUSY = 8
+
+
 @pytest.mark.parametrize(
-    ("prompt", "cached", "queued", "expected"),
+    ("prompt", "cached", "queued", "sequences", "expected"),
     [
-        (40, 0, 0, Decision(False, "short")),
-        (LOCAL, 0, 10_000, Decision(False, "short")),
-        (300, 260, 0, Decision(False, "cached")),  # 40 uncached
-        (200, 0, 0, Decision(True, "long")),
-        (200, 0, BUSY + 1, Decision(False, "prefill_busy")),  # shorter than the wait
-        (400, 0, BUSY + 1, Decision(True, "long")),  # longer than the wait: still remote
-        (400, 0, BUSY, Decision(True, "long")),
+        (40, 0, 0, 0, Decision(False, "short")),
+        (LOCAL, 0, 10_000, 0, Decision(False, "short")),
+        (300, 260, 0, 0, Decision(False, "cached")),  # 40 uncached
+        (200, 0, 0, 0, Decision(True, "long")),
+        (200, 0, BUSY + 1, 0, Decision(False, "prefill_busy")),  # shorter than the wait
+        (400, 0, BUSY + 1, 0, Decision(True, "long")),  # longer than the wait: still remote
+        (400, 0, BUSY, 0, Decision(True, "long")),
+        # The prefill pool is busy, but a local prefill would stall the decode worker's streams.
+        (200, 0, BUSY + 1, DECODE_BUSY - 1, Decision(False, "prefill_busy")),
+        (200, 0, BUSY + 1, DECODE_BUSY, Decision(True, "decode_busy")),
+        (40, 0, BUSY + 1, 100, Decision(False, "short")),  # short stays local: a brief stall
     ],
 )
-def test_the_conditional_rule(prompt: int, cached: int, queued: int, expected: Decision) -> None:
-    policy = ConditionalDisaggregation(LOCAL, BUSY)
-    assert policy.decide(RequestFacts(prompt, cached, queued)) == expected
+def test_the_conditional_rule(
+    prompt: int, cached: int, queued: int, sequences: int, expected: Decision
+) -> None:
+    policy = ConditionalDisaggregation(LOCAL, BUSY, DECODE_BUSY)
+    assert policy.decide(RequestFacts(prompt, cached, queued, sequences)) == expected
 
 
 def test_always_and_unknown_policies() -> None:
