@@ -26,9 +26,10 @@ sys.path.insert(0, str(ROOT))
 from pdserve.plan import SLO, Deployment, make_plan, preset_workload  # noqa: E402
 from pdserve.profile import WorkerProfile  # noqa: E402
 
-# The sweep's configuration names for the planner's deployments of 2 cores.
+# The sweep's configuration names for the planner's deployments of 2 cores. A 1P+1D deployment
+# runs the router's default, per-request disaggregation: "disagg-cond" where the sweep has it.
 SWEEP_NAME = {
-    Deployment(num_prefill=1, num_decode=1): "disagg",
+    Deployment(num_prefill=1, num_decode=1): "disagg-cond",
     Deployment(num_colocated=2): "2xcoloc",
     Deployment(num_colocated=1, threads=2): "1xcoloc",
 }
@@ -49,9 +50,14 @@ def check_preset(
 ) -> dict[str, Any]:
     slos = result["slos_ms"]
     workload = preset_workload(preset, config["input_scale"], config["output_scale"])
+    # The planner models TTFT and TPOT; the sweep's per-request ITL p99 bound is not modelled
+    # (stalls depend on arrival coincidences), so a recommendation is scored by goodput measured
+    # under all three.
     slo = SLO(slos["ttft"] / 1e3, slos["tpot"] / 1e3, "p90")
     plan = make_plan(profile, workload, slo, cores=2, shared_cores=shared)
     chosen = SWEEP_NAME[plan.best.deployment]
+    if chosen not in result["rows"]:  # a sweep from before per-request disaggregation
+        chosen = "disagg"
     per_config = {name: best_goodput(rows) for name, rows in result["rows"].items()}
     top = max(per_config, key=lambda n: per_config[n][0])
     ours = per_config[chosen][0]
