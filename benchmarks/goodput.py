@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import json
 import math
+import secrets
 import shlex
 import sys
 import time
@@ -136,9 +137,14 @@ def preset_workload(
 # -- the processes ------------------------------------------------------------------------------
 
 
+# Every process of one benchmark run shares a cluster token, as in production (the internal plane
+# refuses to start open).
+PROCESS_ENV = {"PYTHONPATH": str(ROOT), "PDSERVE_CLUSTER_TOKEN": secrets.token_hex(16)}
+
+
 def pinned_worker(role: str, args: list[str], cores: set[int]) -> WorkerProcess:
     """``pdserve <role>`` whose process (and so every thread it starts) runs on ``cores``."""
-    return WorkerProcess(role, args, env={"PYTHONPATH": str(ROOT)}, cpus=cores)
+    return WorkerProcess(role, args, env=PROCESS_ENV, cpus=cores)
 
 
 @dataclass
@@ -188,7 +194,7 @@ def deployed(name: str, redis_url: str, router_extra: list[str]) -> Iterator[Dep
             w.wait_ready()
         flags = [*ROUTER_FLAGS.get(name, []), *router_extra]
         router_args = ["--port", "0", "--ttl-seconds", "2", *flags, *registry]
-        router = WorkerProcess("router", router_args, {"PYTHONPATH": str(ROOT)})
+        router = WorkerProcess("router", router_args, PROCESS_ENV)
         deployment.processes.append(router)
         router.start()
         deployment.url = str(router.info["url"])

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from goodput import WORKER_FLAGS, pinned_worker, wait_workers  # noqa: E402
+from goodput import PROCESS_ENV, WORKER_FLAGS, pinned_worker, wait_workers  # noqa: E402
 from machine import machine_info  # noqa: E402
 
 from loadtest.datasets import random_text  # noqa: E402
@@ -109,7 +109,7 @@ def start(args: argparse.Namespace, redis_url: str) -> tuple[list[WorkerProcess]
     urls = {}
     for flow, flags in FLOWS.items():
         router_args = ["--port", "0", "--disaggregation", "always", *flags, *registry]
-        router = WorkerProcess("router", router_args, {"PYTHONPATH": str(ROOT)})
+        router = WorkerProcess("router", router_args, PROCESS_ENV)
         processes.append(router)
         router.start()
         urls[flow] = str(router.info["url"])
