@@ -410,6 +410,7 @@ def _workers(gateway: Gateway) -> dict[str, Any]:
                 "kv_blocks_total": w.kv_blocks_total,
                 "kv_blocks_used": w.kv_blocks_used,
                 "kv_blocks_cached": w.kv_blocks_cached,
+                "prefix_caching": w.prefix_caching,
                 "num_running": w.num_running,
                 "num_waiting": w.num_waiting,
                 "router_in_flight": orchestrator.in_flight.get(w.worker_id, 0),

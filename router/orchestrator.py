@@ -195,7 +195,7 @@ class Orchestrator:
         span = trace.get_current_span()
         if span.is_recording():
             span.set_attribute("pdserve.disaggregation", f"{decision.label}:{decision.reason}")
-        self.prefixes.remember(decode.worker_id, hashes)  # it will cache them either way
+        self.prefixes.remember(decode, hashes)  # it will cache them either way
         return decision
 
     async def _local(

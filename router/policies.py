@@ -54,12 +54,16 @@ class PrefixIndex:
         """Worker id -> leading blocks of ``hashes`` it caches."""
         published = await self._published(candidates, hashes) if hashes else {}
         return {
-            w.worker_id: max(published.get(w.worker_id, 0), self._remembered(w.worker_id, hashes))
+            w.worker_id: max(published.get(w.worker_id, 0), self._remembered(w, hashes))
             for w in candidates
         }
 
-    def remember(self, worker_id: str, hashes: list[int]) -> None:
-        """``worker_id`` was sent these blocks: it caches them once it computed or pulled them."""
+    def remember(self, worker: WorkerRecord, hashes: list[int]) -> None:
+        """``worker`` was sent these blocks: it caches them once it computed or pulled them
+        (unless it runs without a prefix cache, which keeps nothing after a request)."""
+        if not worker.prefix_caching:
+            return
+        worker_id = worker.worker_id
         for h in hashes:
             self._routed[(worker_id, h)] = None
             self._routed.move_to_end((worker_id, h))
@@ -74,10 +78,12 @@ class PrefixIndex:
         ids = [w.worker_id for w in candidates]
         return await self.view.prefix_match(ids, hashes, timeout=PREFIX_LOOKUP_SECONDS)
 
-    def _remembered(self, worker_id: str, hashes: list[int]) -> int:
+    def _remembered(self, worker: WorkerRecord, hashes: list[int]) -> int:
+        if not worker.prefix_caching:
+            return 0
         count = 0
         for h in hashes:
-            if (worker_id, h) not in self._routed:
+            if (worker.worker_id, h) not in self._routed:
                 break
             count += 1
         return count
@@ -164,7 +170,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         if not hashes:
             return self.least_loaded(candidates)
         if len(candidates) == 1:  # nothing to choose; remember it for when there is
-            prefixes.remember(candidates[0].worker_id, hashes)
+            prefixes.remember(candidates[0], hashes)
             return candidates[0]
         cached = await prefixes.cached_blocks(candidates, hashes)
         highest = max(self.load(w) for w in candidates) or 1.0
@@ -175,7 +181,7 @@ class PrefixAwarePolicy(RoutingPolicy):
 
         best = max(score(w) for w in candidates)
         chosen = self.least_loaded([w for w in candidates if score(w) == best])
-        prefixes.remember(chosen.worker_id, hashes)
+        prefixes.remember(chosen, hashes)
         return chosen
 
 

@@ -170,6 +170,7 @@ class WorkerRecord:
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
     kv_blocks_total: int = 0
+    prefix_caching: bool = True  # False: the router must not expect a prompt to be cached here
     updated_at: float = 0.0
 
     def __post_init__(self) -> None:

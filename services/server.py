@@ -304,6 +304,7 @@ class Worker:
             model=self.fingerprint.model_id,
             fingerprint=self.fingerprint,
             kv_blocks_total=self.engine.num_blocks,
+            prefix_caching=cfg.engine.cache.enable_prefix_caching,
         )
         self.registration = WorkerRegistration(registry, record, self._load)
         await self.registration.register()

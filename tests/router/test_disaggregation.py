@@ -200,3 +200,28 @@ def test_a_streamed_pull_that_fails_before_the_first_token_is_recomputed(redis_s
         raise
     finally:
         c.stop()
+
+
+def test_a_decode_worker_without_prefix_cache_is_never_expected_to_cache(redis_server) -> None:  # type: ignore[no-untyped-def]
+    """The router remembers where it sent prompts, as a hint of what each decode worker caches;
+    a worker run with --no-prefix-caching keeps nothing, so the same long prompt sent twice is
+    computed on the prefill worker both times (before, the second went local as "cached" and
+    its whole prompt stalled the decode worker's running streams)."""
+    c = Cluster(redis_server.url)
+    try:
+        c.add_workers("prefill", "decode", extra=("--no-prefix-caching",))
+        router = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "64")
+        router.wait_ready(num_workers=2)
+        workers = httpx.get(router.url + "/v1/workers", timeout=10).json()["data"]
+        assert [w["prefix_caching"] for w in workers] == [False, False]
+        document = "Paged attention stores keys and values in fixed-size blocks. " * 14
+        for _ in range(2):
+            [timing] = complete(router, document)["usage"]["pdserve_timings"]
+            assert timing["kv_source"] == "pulled"
+        assert decisions(router, "remote", "long") == 2
+        assert decisions(router, "local", "cached") == 0
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
