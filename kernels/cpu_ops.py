@@ -103,13 +103,17 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
         return None
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
+
+
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the compiled kernel takes these tensors (float32 CPU caches sharing strides,
-    head_dim a multiple of 16 up to 256)."""
+    """Whether the compiled kernel takes these tensors (float32 or bfloat16 CPU caches of one
+    dtype sharing strides, head_dim a multiple of 16 up to 256)."""
     num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
     return (
         query.device.type == "cpu"
-        and key_cache.dtype == value_cache.dtype == torch.float32
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.dtype in CACHE_DTYPES
         and key_cache.stride() == value_cache.stride()
         and key_cache.stride(3) == 1
         and num_heads % num_kv_heads == 0
@@ -120,20 +124,23 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 
 class CpuKernels:
-    """A loaded kernel library as a ``kernels`` backend: decode attention compiled (other dtypes
-    and layouts, see ``supports``, go to the reference), the KV write and prefill the reference."""
+    """A loaded kernel library as a ``kernels`` backend: decode attention compiled for float32
+    and bfloat16 caches (other dtypes and layouts, see ``supports``, go to the reference), the KV
+    write and prefill the reference."""
 
     write_kv = staticmethod(reference.write_kv)
     paged_attention_prefill = staticmethod(reference.paged_attention_prefill)
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.lib, self.path = lib, path
-        fn = lib.paged_attention_decode_f32
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32, i32]
-        fn.argtypes += [ctypes.c_float, ptr, i32]
-        fn.restype = ctypes.c_int
-        self._decode = fn
+        self._decode = {}
+        for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(lib, f"paged_attention_decode_{name}")
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32]
+            fn.argtypes += [i32, ctypes.c_float, ptr, i32]
+            fn.restype = ctypes.c_int
+            self._decode[dtype] = fn
 
     def __repr__(self) -> str:
         return f"CpuKernels({str(self.path)!r})"
@@ -168,7 +175,7 @@ class CpuKernels:
             raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
         block_stride, token_stride, head_stride, _ = key_cache.stride()
-        status = self._decode(
+        status = self._decode[key_cache.dtype](
             q.data_ptr(),
             key_cache.data_ptr(),
             value_cache.data_ptr(),

@@ -127,18 +127,46 @@ def test_token_major_layout_matches_reference(kernel: cpu_ops.CpuKernels) -> Non
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", HEAD_SHAPES)
+def test_bfloat16_cache_matches_float32_math_on_the_same_values(
+    kernel: cpu_ops.CpuKernels, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """A bfloat16 cache is widened exactly, and the math is float32: the kernel equals the
+    float32 reference on the same (bfloat16-rounded) keys and values."""
+    torch.manual_seed(head_dim)
+    context_lens = [1, 130, 64, 33]
+    key_cache, value_cache = engine_layer_caches(48, num_kv_heads, head_dim, torch.bfloat16)
+    tables = shuffled_block_tables(context_lens, 48)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query = torch.randn(len(context_lens), num_heads, head_dim)
+    assert cpu_ops.supports(query, key_cache, value_cache)
+    widened = (key_cache.float(), value_cache.float())
+    expected = reference.paged_attention_decode(query, *widened, tables, lens, 0.125)
+    actual = kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.125)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    # The engine's bfloat16 query: answered in bfloat16, as the reference does, within rounding.
+    query16 = query.to(torch.bfloat16)
+    ours = kernel.paged_attention_decode(query16, key_cache, value_cache, tables, lens, 0.125)
+    theirs = reference.paged_attention_decode(query16, key_cache, value_cache, tables, lens, 0.125)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_other_dtypes_and_head_dims_are_not_supported() -> None:
-    key_cache, value_cache = engine_layer_caches(8, 2, 16, torch.bfloat16)
-    query = torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    key_cache, value_cache = engine_layer_caches(8, 2, 16, torch.float16)
+    query = torch.randn(1, 4, 16, dtype=torch.float16)
     assert not cpu_ops.supports(query, key_cache, value_cache)
+    mixed = (key_cache.to(torch.bfloat16), value_cache.float())
+    assert not cpu_ops.supports(query, *mixed)  # one dtype for both caches
     odd_dim = engine_layer_caches(8, 2, 24)
     assert not cpu_ops.supports(torch.randn(1, 4, 24), *odd_dim)  # not a multiple of 16 lanes
 
 
 def test_other_dtypes_take_the_reference(kernel: cpu_ops.CpuKernels) -> None:
     torch.manual_seed(3)
-    key_cache, value_cache = engine_layer_caches(8, 2, 16, torch.bfloat16)
-    query = torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    key_cache, value_cache = engine_layer_caches(8, 2, 16, torch.float16)
+    query = torch.randn(1, 4, 16, dtype=torch.float16)
     tables, lens = shuffled_block_tables([20], 8), torch.tensor([20], dtype=torch.int32)
     expected = reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.3)
     actual = kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.3)
