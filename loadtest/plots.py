@@ -58,12 +58,14 @@ def _pyplot() -> Any:
 
 
 def _axis_end(values: np.ndarray, slo: float | None) -> float:
-    """The x-axis end: the largest value, unless a few outliers lie far beyond the p99 (then
-    1.5 x p99, or past the SLO line); the points cut off are named in the legend. The p99 is a
+    """The x-axis end: the largest value or past the SLO line, unless a few outliers lie far
+    beyond the p99 (then 1.5 x p99, or past the SLO line); the points cut off are named in the
+    legend. The p99 is a
     sample's own value (not interpolated towards the outlier, as in a run of few samples)."""
     p99, top = float(np.percentile(values, 99, method="lower")), float(values.max())
-    end = max(p99 * 1.5, (slo or 0.0) * 1.15)
-    return top * 1.02 if top <= end else end
+    past_slo = (slo or 0.0) * 1.15  # the SLO line is always on the axis
+    end = max(p99 * 1.5, past_slo)
+    return max(top * 1.02, past_slo) if top <= end else end
 
 
 def _cdf(ax: Any, values_ms: np.ndarray, title: str, slo: float | None, slo_name: str) -> None:
