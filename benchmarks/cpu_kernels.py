@@ -12,6 +12,7 @@ Medians of --repeats timed runs after one warm-up, with --threads torch threads.
 
     python benchmarks/cpu_kernels.py
     python benchmarks/cpu_kernels.py --rows 1,64 --batches 64 --contexts 256 --repeats 3
+    python benchmarks/cpu_kernels.py --no-gemm --dtype bfloat16   # the bfloat16 cache
 """
 
 from __future__ import annotations
@@ -77,12 +78,17 @@ def gemm_rows(rows: list[int], repeats: int) -> list[tuple[int, float, float]]:
 
 
 def attention_rows(
-    kernel: cpu_ops.CpuKernels, batches: list[int], contexts: list[int], repeats: int
+    kernel: cpu_ops.CpuKernels,
+    batches: list[int],
+    contexts: list[int],
+    repeats: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[tuple[int, int, float, float, float]]:
-    """(B, C, reference ms, kernel ms, max abs difference) for one step (all layers)."""
-    block_bytes = LAYERS * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * 4
+    """(B, C, reference ms, kernel ms, max abs difference) for one step (all layers), with the
+    cache and the query in ``dtype`` as the engine keeps them."""
+    block_bytes = LAYERS * 2 * NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * dtype.itemsize
     num_blocks = CACHE_BYTES // block_bytes
-    kv = torch.randn(num_blocks, LAYERS, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM)
+    kv = torch.randn(num_blocks, LAYERS, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=dtype)
     caches = [(kv[:, i, 0].transpose(1, 2), kv[:, i, 1].transpose(1, 2)) for i in range(LAYERS)]
     scale = HEAD_DIM**-0.5
     pairs = [(b, c) for b in batches for c in contexts]
@@ -96,7 +102,7 @@ def attention_rows(
             continue
         tables = torch.randperm(num_blocks)[: batch * per_seq].view(batch, per_seq).int()
         lens = torch.full((batch,), context, dtype=torch.int32)
-        query = torch.randn(batch, NUM_HEADS, HEAD_DIM)
+        query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype)
 
         ref = partial(_step, reference.paged_attention_decode, caches, query, tables, lens, scale)
         compiled = partial(_step, kernel.paged_attention_decode, caches, query, tables, lens, scale)
@@ -113,6 +119,10 @@ def main() -> int:
     parser.add_argument("--contexts", default="64,256,1024", help="context lengths C (tokens)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=default_num_threads())
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="attention's cache"
+    )
+    parser.add_argument("--no-gemm", action="store_true", help="decode attention only")
     # The engine's own settings that place and build the kernel: --cache-dir, --cpu-kernels-cc.
     others = [name for name, *_ in settings_of(EngineConfig, nested=False)]
     skip = tuple(name for name in others if name not in ("cache_dir", "cpu_kernels_cc"))
@@ -132,20 +142,22 @@ def main() -> int:
         return 1
     ints = lambda text: [int(x) for x in text.split(",") if x.strip()]  # noqa: E731
 
-    print(f"\nGEMM: {LAYERS} layers x 4 linear layers of the default model, M rows, float32")
-    print(f"{'M':>4} {'F.linear ms':>12} {'oneDNN ms':>10} {'speedup':>8}")
-    with torch.inference_mode():
-        for m, plain, onednn in gemm_rows(ints(args.rows), args.repeats):
-            print(f"{m:>4} {plain:>12.1f} {onednn:>10.1f} {plain / onednn:>7.2f}x")
+    if not args.no_gemm:
+        print(f"\nGEMM: {LAYERS} layers x 4 linear layers of the default model, M rows, float32")
+        print(f"{'M':>4} {'F.linear ms':>12} {'oneDNN ms':>10} {'speedup':>8}")
+        with torch.inference_mode():
+            for m, plain, onednn in gemm_rows(ints(args.rows), args.repeats):
+                print(f"{m:>4} {plain:>12.1f} {onednn:>10.1f} {plain / onednn:>7.2f}x")
 
     print(
         f"\ndecode attention: one step = {LAYERS} layers, {NUM_HEADS}/{NUM_KV_HEADS} heads, "
-        f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, shuffled blocks of a 1 GiB cache, float32"
+        f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}, shuffled blocks of a 1 GiB cache, {args.dtype}"
     )
     header = ("B", 4), ("C", 6), ("reference ms", 13), ("kernel ms", 10), ("speedup", 8)
     print(" ".join(f"{name:>{width}}" for name, width in header), f"{'max |diff|':>11}")
     with torch.inference_mode():
-        rows = attention_rows(kernel, ints(args.batches), ints(args.contexts), args.repeats)
+        dtype = getattr(torch, args.dtype)
+        rows = attention_rows(kernel, ints(args.batches), ints(args.contexts), args.repeats, dtype)
     for b, c, ref_ms, kernel_ms, diff in rows:
         speedup = ref_ms / kernel_ms
         print(f"{b:>4} {c:>6} {ref_ms:>13.1f} {kernel_ms:>10.1f} {speedup:>7.2f}x {diff:>11.1e}")
