@@ -493,6 +493,7 @@ class Plan:
     sizing: list[Sizing] = field(default_factory=list)
     shared_cores: bool = False  # other processes run on the workers' cores
     warnings: list[str] = field(default_factory=list)
+    thresholds: DisaggregationThresholds | None = None  # for layouts with a prefill pool
 
     def is_eligible(self, deployment: Deployment) -> bool:
         """With shared cores, only one-thread workers are recommended: a worker whose torch
@@ -507,6 +508,44 @@ class Plan:
         return max(eligible, key=lambda c: (c.max_rate, -c.unloaded.ttft_s))
 
 
+@dataclass(frozen=True)
+class DisaggregationThresholds:
+    """The router's per-request disaggregation settings for a disaggregated layout, from the
+    profile and the SLOs (``--local-prefill-tokens``, ``--prefill-busy-tokens``)."""
+
+    local_prefill_tokens: int  # a local prefill this long stalls the decode batch <= one TPOT
+    prefill_busy_tokens: int  # a prefill queue this long waits half the TTFT SLO
+
+    def router_flags(self) -> str:
+        return (
+            f"--local-prefill-tokens {self.local_prefill_tokens} "
+            f"--prefill-busy-tokens {self.prefill_busy_tokens}"
+        )
+
+
+THRESHOLD_STEP, THRESHOLD_MAX = 16, 8192  # tokens: the grid the thresholds are read on
+
+
+def disaggregation_thresholds(
+    profile: WorkerProfile, slo: SLO, threads: int = 1
+) -> DisaggregationThresholds:
+    """The longest prompt a decode worker may compute itself: its prefill stalls every running
+    stream, so it must fit in one TPOT SLO; and the prefill-pool queue beyond which a shorter
+    prompt is better computed locally: the queue a prefill worker clears in half the TTFT SLO."""
+    curve = profile.for_threads(threads)
+
+    def longest_within(seconds: float) -> int:
+        n = 0
+        while (
+            n + THRESHOLD_STEP <= THRESHOLD_MAX
+            and curve.prefill_time(n + THRESHOLD_STEP) <= seconds
+        ):
+            n += THRESHOLD_STEP
+        return n
+
+    return DisaggregationThresholds(longest_within(slo.tpot_s), longest_within(slo.ttft_s / 2))
+
+
 def make_plan(
     profile: WorkerProfile,
     workload: Workload,
@@ -519,7 +558,9 @@ def make_plan(
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
     candidates = [evaluate(profile, d, workload, slo, rate) for d in deployments(profile, cores)]
-    plan = Plan(workload, slo, cores, rate, candidates, [], shared_cores)
+    disaggregated = any(c.deployment.is_disaggregated for c in candidates)
+    thresholds = disaggregation_thresholds(profile, slo) if disaggregated else None
+    plan = Plan(workload, slo, cores, rate, candidates, [], shared_cores, thresholds=thresholds)
     plan.warnings.extend(beyond_the_profile(profile, workload, cores, candidates))
     if rate:
         sizes = size_pools(profile, workload, slo, rate)

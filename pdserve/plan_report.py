@@ -37,6 +37,12 @@ def recommendation(plan: Plan) -> list[str]:
                 f"({c.deployment.name} is predicted higher, {c.max_rate:.2f} req/s, but its "
                 "threads span every core: not recommended where other processes share them.)"
             )
+    if plan.thresholds is not None:
+        lines.append(
+            "For layouts with a prefill pool, the router's per-request disaggregation: "
+            f"{plan.thresholds.router_flags()} (a local prefill within one TPOT SLO; a prefill "
+            "queue of half the TTFT SLO)."
+        )
     if plan.rate is None:
         return lines
     if best.max_rate >= plan.rate:
@@ -139,6 +145,7 @@ def plan_dict(plan: Plan) -> dict[str, object]:
             "best": plan.best.deployment.name if plan.best.max_rate > 0 else None,
             "recommendation": " ".join(recommendation(plan)),
             "warnings": plan.warnings,
+            "disaggregation_thresholds": asdict(plan.thresholds) if plan.thresholds else None,
             "sizing": [
                 {"deployment": deployment(s.deployment), "per_worker_rates": s.per_worker_rates}
                 for s in plan.sizing

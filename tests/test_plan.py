@@ -14,6 +14,7 @@ from pdserve.cli import main
 from pdserve.plan import (
     SLO,
     Deployment,
+    DisaggregationThresholds,
     decode_context,
     evaluate,
     fixed_workload,
@@ -395,3 +396,17 @@ def test_a_missing_profile_file_is_one_line(capsys):  # type: ignore[no-untyped-
     assert main([*args, "--ttft-slo", "100", "--tpot-slo", "100"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--profile nope.json: no such file" in err
+
+
+def test_the_plan_recommends_the_routers_disaggregation_thresholds() -> None:
+    """Prefill here is 20 ms + 2 ms/token: a local prefill within one TPOT SLO (100 ms) is at
+    most 40 tokens (32 on the 16-token grid); the prefill queue that waits half the TTFT SLO
+    (0.5 s) is 240 tokens. Only layouts with a prefill pool need them."""
+    workload = preset_workload("chatbot", 0.25, 0.1)
+    plan = make_plan(PROFILE, workload, SLO(1.0, 0.1), cores=2)
+    assert plan.thresholds == DisaggregationThresholds(32, 240)
+    text = format_plan(plan)
+    assert "--local-prefill-tokens 32 --prefill-busy-tokens 240" in text
+    looser = make_plan(PROFILE, workload, SLO(2.0, 0.2), cores=2).thresholds
+    assert looser == DisaggregationThresholds(80, 480)
+    assert make_plan(PROFILE, workload, SLO(1.0, 0.1), cores=1).thresholds is None
