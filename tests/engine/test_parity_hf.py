@@ -32,9 +32,8 @@ def hf_model():
     return tokenizer, model
 
 
-@pytest.fixture(scope="module")
-def hf_reference(hf_model):
-    tokenizer, model = hf_model
+def hf_greedy(tokenizer, model) -> list[tuple[list[int], list[int]]]:  # type: ignore[no-untyped-def]
+    """(prompt ids, greedy new tokens) per prompt, from transformers' own ``generate``."""
     outputs = []
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -48,6 +47,11 @@ def hf_reference(hf_model):
             )
         outputs.append((ids[0].tolist(), generated[0, ids.shape[1] :].tolist()))
     return outputs
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):  # type: ignore[no-untyped-def]
+    return hf_greedy(*hf_model)
 
 
 def greedy():  # type: ignore[no-untyped-def]
@@ -107,19 +111,8 @@ def bf16_outputs(hf_model):  # type: ignore[no-untyped-def]
     from pdserve import LLM
 
     tokenizer, model = hf_model
-    theirs = []
     hf16 = copy.deepcopy(model).to(torch.bfloat16)  # the float32 model stays as it is
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            generated = hf16.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=tokenizer.eos_token_id,
-            )
-        theirs.append((ids[0].tolist(), generated[0, ids.shape[1] :].tolist()))
+    theirs = hf_greedy(tokenizer, hf16)
     del hf16
     llm = LLM(dtype="bfloat16", num_blocks=256, num_threads=2)
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
