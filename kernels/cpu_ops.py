@@ -1,6 +1,7 @@
-"""The compiled CPU path: paged decode attention that reads KV blocks in place.
+"""The compiled CPU path: paged decode attention that reads KV blocks in place, and the
+small-batch linear layer that reads bfloat16 weights in place.
 
-``kernels/csrc/paged_attention_cpu.c`` is built once per machine with the system C compiler
+``kernels/csrc/*.c`` are built once per machine, into one library, with the system C compiler
 (``-O3 -march=native``) into a build directory and loaded with ctypes; nothing is compiled at
 install time, so a wheel or image built on one CPU still runs on another. ``load(build_dir)``
 returns the library as a kernel backend (``CpuKernels``) to pass as ``backend=`` to the
@@ -9,9 +10,11 @@ keeps the vectorized PyTorch reference, which computes the same attention. The e
 (``EngineConfig.cpu_kernels``, ``cache_dir``, ``cpu_kernels_cc``); nothing here reads the
 environment.
 
-Only decode attention is compiled: it runs every step for every sequence and, done with PyTorch
-ops, copies each sequence's whole context out of the cache (``reference.gather_blocks``) per
-layer. Prefill and the KV write are reference ops here.
+Of attention, only decode is compiled: it runs every step for every sequence and, done with
+PyTorch ops, copies each sequence's whole context out of the cache (``reference.gather_blocks``)
+per layer. Prefill and the KV write are reference ops here. ``CpuKernels.linear_bf16`` serves the
+model's linear layers (``services.engine.model.packed_linear``) at decode batches of a few rows on
+CPUs without bfloat16 dot products.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from kernels import reference
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+SOURCES = [
+    Path(__file__).parent / "csrc" / f"{name}.c"
+    for name in ("paged_attention_cpu", "linear_bf16_cpu")
+]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 MAX_GROUP = 64  # query heads per KV head the C kernel accepts
 LANES, MAX_HEAD_DIM = 16, 256  # head_dim: a multiple of the kernel's vector width, at most this
@@ -61,10 +67,10 @@ def find_compiler(preferred: str | None = None) -> str | None:
 
 
 def build(compiler: str, out_dir: Path) -> Path:
-    """Compile the kernel (once: the file name hashes the source, flags and CPU)."""
-    source = SOURCE.read_bytes()
+    """Compile the kernels (once: the file name hashes the sources, flags and CPU)."""
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode())
-    target = out_dir / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"pdserve_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -72,7 +78,7 @@ def build(compiler: str, out_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -104,6 +110,7 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
 
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
+LINEAR_MAX_ROWS = 4  # rows of x linear_bf16 takes (MAX_ROWS in linear_bf16_cpu.c)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -141,6 +148,10 @@ class CpuKernels:
             fn.argtypes += [i32, ctypes.c_float, ptr, i32]
             fn.restype = ctypes.c_int
             self._decode[dtype] = fn
+        self._linear = lib.linear_bf16
+        self._linear.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        self._linear.argtypes += [ctypes.c_int]
+        self._linear.restype = ctypes.c_int
 
     def __repr__(self) -> str:
         return f"CpuKernels({str(self.path)!r})"
@@ -198,3 +209,38 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"CPU paged attention kernel failed (status {status})")
         return out.to(query.dtype)
+
+    def linear_bf16(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``x @ weight.T + bias`` in bfloat16 with float32 sums, the weight read in place; None
+        where the kernel does not take the inputs (more than ``LINEAR_MAX_ROWS`` rows of x, an
+        input size not a multiple of 16, not bfloat16 CPU tensors, a non-contiguous weight).
+        ``bias``: float32 or None."""
+        rows, in_features = x.shape
+        out_features = weight.shape[0]
+        if (
+            not 1 <= rows <= LINEAR_MAX_ROWS
+            or in_features % LANES
+            or x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16
+            or x.device.type != "cpu"
+            or not weight.is_contiguous()
+            or (bias is not None and bias.dtype != torch.float32)
+        ):
+            return None
+        x = x.contiguous()
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        status = self._linear(
+            x.data_ptr(),
+            weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            in_features,
+            out_features,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise RuntimeError(f"CPU bfloat16 linear kernel failed (status {status})")
+        return out

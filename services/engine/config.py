@@ -150,6 +150,13 @@ class EngineConfig:
         "compile the CPU decode-attention kernel at first start, into <cache-dir>/kernels "
         "(off: the PyTorch reference)",
     )
+    cpu_matmul: str = setting(
+        "auto",
+        "dtype the CPU GEMMs compute in: native (the weights'), float32 (bfloat16/float16 "
+        "weights widened once: twice their memory) or auto (native where the CPU has "
+        "AVX512-BF16/AMX dot products for it, else float32)",
+        choices=("auto", "native", "float32"),
+    )
     cpu_kernels_cc: str | None = setting(
         None, "C compiler that builds the CPU kernel (none: cc, gcc or clang, the first on PATH)"
     )

@@ -47,7 +47,11 @@ class LLMEngine:
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.cache_path)
         dtype = getattr(torch, config.dtype)
-        self.model = load_model(self.model_dir, dtype, config.device)
+        backend = attention_backend(config)  # on CPU, the compiled kernels (or the reference)
+        small_batch = getattr(backend, "linear_bf16", None)
+        self.model = load_model(
+            self.model_dir, dtype, config.device, config.cpu_matmul, small_batch
+        )
         mcfg = self.model.config
         self.tokenizer = Tokenizer(self.model_dir, mcfg.eos_token_ids)
         cache, sched = config.cache, config.scheduler
@@ -73,7 +77,7 @@ class LLMEngine:
             config.device,
             cache.num_swap_blocks,
             cache.shared_memory_path,
-            attention=attention_backend(config),
+            attention=backend,
         )
         self.sampler = Sampler(config.seed)
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)

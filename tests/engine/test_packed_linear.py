@@ -57,13 +57,17 @@ def test_only_cpu_float32_and_bfloat16_matrices_are_packable() -> None:
     assert can_pack(torch.zeros(4, 4))
     assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16)) == onednn_supports(torch.bfloat16)
     assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))
+    assert can_pack(torch.zeros(4, 4, dtype=torch.float16), torch.float32)  # widened
     assert not can_pack(torch.zeros(4))
 
 
 def test_bfloat16_falls_back_to_plain_linear_where_onednn_cannot_run_it(monkeypatch) -> None:
-    """A CPU without oneDNN's bf16 instructions keeps nn.Linear (CI once ran on such a VM)."""
+    """A CPU without oneDNN's bf16 instructions keeps nn.Linear (CI once ran on such a VM) when
+    told to compute natively; by default (``auto``) its weights are widened to float32."""
     import services.engine.model.packed_linear as packed_linear
 
     monkeypatch.setattr(packed_linear, "onednn_supports", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr(packed_linear, "native_matmul", lambda dtype: dtype == torch.float32)
     model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
-    assert pack_linears(model) == 0 and isinstance(model[0], nn.Linear)
+    assert pack_linears(model, "native") == 0 and isinstance(model[0], nn.Linear)
+    assert pack_linears(model, "auto") == 1 and model[0].compute_dtype == torch.float32

@@ -202,7 +202,7 @@ def test_kernel_shares_torchs_openmp_runtime(kernel: cpu_ops.CpuKernels) -> None
 def test_build_is_cached_per_source_and_cpu(tmp_path: Path) -> None:
     loaded = cpu_ops.load(tmp_path / "kernels")
     assert loaded is not None
-    built = list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    built = list((tmp_path / "kernels").glob("pdserve_cpu-*.so"))
     assert built == [loaded.path]
     stamp = built[0].stat().st_mtime_ns
     assert cpu_ops.build(cpu_ops.find_compiler() or "cc", tmp_path / "kernels") == built[0]
@@ -236,7 +236,7 @@ def test_engine_config_cache_dir_places_the_kernel(tmp_path: Path) -> None:
     backend = attention_backend(EngineConfig(cache_dir=str(tmp_path)))
     assert isinstance(backend, cpu_ops.CpuKernels)
     assert backend.path.parent == tmp_path / "kernels"
-    assert list((tmp_path / "kernels").glob("paged_attention_cpu-*.so")) == [backend.path]
+    assert list((tmp_path / "kernels").glob("pdserve_cpu-*.so")) == [backend.path]
 
 
 def test_cpu_kernels_off_gives_the_reference(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from services.engine.config import ModelConfig
 from services.engine.model.llama import LlamaModel
-from services.engine.model.packed_linear import pack_linears
+from services.engine.model.packed_linear import SmallBatchLinear, pack_linears
 from services.engine.model.source import ModelLoadError
 
 
@@ -38,8 +38,16 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> LlamaModel:
-    """Build the model from ``model_dir`` and load its weights."""
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: str,
+    cpu_matmul: str = "auto",
+    small_batch: SmallBatchLinear | None = None,
+) -> LlamaModel:
+    """Build the model from ``model_dir`` and load its weights; on CPU its linear layers are
+    packed for oneDNN, computing in the dtype ``cpu_matmul`` picks (``matmul_dtype``), with
+    ``small_batch`` for a few rows where that widens the weights (``PackedLinear``)."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -47,5 +55,5 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str) -> LlamaModel:
     model.rope.build()  # buffers are not weights: rebuild them after to_empty()
     model.load_hf_state_dict(load_weights(model_dir))
     model = model.to(device=device, dtype=dtype).eval()
-    pack_linears(model)  # CPU: oneDNN-packed GEMM weights (no-op elsewhere)
+    pack_linears(model, cpu_matmul, small_batch)  # CPU: oneDNN-packed GEMMs (no-op elsewhere)
     return model

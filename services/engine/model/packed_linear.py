@@ -6,25 +6,65 @@ CPUs MKL does not take its AVX-512 kernels. oneDNN reorders the weight once, int
 layout its kernels read, and dispatches on the CPU's features: on the 2-core AMD EPYC VM the
 model's four per-layer GEMMs run 2-4x faster (``docs/benchmarks.md``). Results differ from
 ``F.linear`` only by float rounding (the summation order differs).
+
+Half-precision weights on a CPU without native dot products for them (bfloat16 needs AVX512-BF16
+or AMX; float16 AMX-FP16) would run oneDNN's emulation, about 3.5x slower than float32 at a
+decode batch of 64 on an AVX-512 Xeon VM (``docs/benchmarks.md``). There the weights are widened
+to float32 once, at packing: every GEMM then multiplies the same bf16 values in float32 and
+rounds its output back to the activations' dtype, which is what oneDNN's bf16 kernels compute
+(float32 accumulation) at twice the weight memory. ``matmul_dtype`` makes that choice.
+
+A decode step of a few sequences is bound by the weight read, not by the multiplications, and
+the widened weights are twice the bytes: there a ``SmallBatchLinear`` (the compiled
+``kernels.cpu_ops.CpuKernels.linear_bf16``) reads the bfloat16 weights in place instead, about
+twice as fast at one row. The model then holds the bfloat16 weights beside the widened ones.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+# (x [rows, in], weight [out, in], float32 bias or None) -> y [rows, out], or None where the
+# kernel does not take these inputs (then the packed GEMM runs).
+SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None]
+
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+MATMUL_MODES = ("auto", "native", "float32")
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can take the oneDNN path (a CPU float32/bfloat16 matrix)."""
+def native_matmul(dtype: torch.dtype) -> bool:
+    """Whether this CPU has dot-product instructions for ``dtype`` (float32: always)."""
+    if dtype == torch.bfloat16:
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    if dtype == torch.float16:
+        return torch.cpu._is_amx_fp16_supported()
+    return True
+
+
+def matmul_dtype(weight_dtype: torch.dtype, mode: str = "auto") -> torch.dtype:
+    """The dtype the GEMMs of ``weight_dtype`` weights compute in: the weights' own (``native``),
+    float32 (``float32``: weights widened once), or ``auto``: native where ``native_matmul``."""
+    if mode not in MATMUL_MODES:
+        raise ValueError(f"matmul mode must be one of {MATMUL_MODES}, got {mode!r}")
+    if mode == "native" or (mode == "auto" and native_matmul(weight_dtype)):
+        return weight_dtype
+    return torch.float32
+
+
+def can_pack(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> bool:
+    """Whether ``weight`` can take the oneDNN path computing in ``compute_dtype`` (None: the
+    weight's own): a CPU matrix, computed in float32 or bfloat16."""
+    compute_dtype = compute_dtype or weight.dtype
     return (
         weight.device.type == "cpu"
-        and weight.dtype in _PACKABLE_DTYPES
+        and weight.is_floating_point()
+        and compute_dtype in _PACKABLE_DTYPES
         and weight.dim() == 2
-        and onednn_supports(weight.dtype)
+        and onednn_supports(compute_dtype)
     )
 
 
@@ -46,37 +86,67 @@ def onednn_supports(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (inference only)."""
+    """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (inference only), computed
+    in ``compute_dtype`` (None: the weight's dtype); the output has the input's dtype.
 
-    def __init__(self, linear: nn.Linear):
+    ``small_batch``: where the weights are widened (half precision computed in float32), a
+    kernel that reads the original weights in place for inputs of a few rows (see the module's
+    docstring); the original weight tensor is then kept too."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        compute_dtype: torch.dtype | None = None,
+        small_batch: SmallBatchLinear | None = None,
+    ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = compute_dtype or linear.weight.dtype
+        widened = self.compute_dtype != linear.weight.dtype
+        self.small_batch = small_batch if widened else None
         with torch.no_grad():
-            weight = linear.weight.detach().contiguous()
+            weight = linear.weight.detach().to(self.compute_dtype).contiguous()
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            self.bias = None if linear.bias is None else linear.bias.detach().clone()
+            bias = linear.bias
+            self.bias = None if bias is None else bias.detach().to(self.compute_dtype).clone()
+            # A tied weight (the LM head's) stays shared with the embedding: no extra memory.
+            self.weight = linear.weight.detach().contiguous() if self.small_batch else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, self.in_features)
-        if not x.is_contiguous():
+        if self.small_batch is not None and self.weight is not None:
+            y = self.small_batch(x, self.weight, self.bias)
+            if y is not None:
+                return y.view(*shape[:-1], self.out_features)
+        if dtype != self.compute_dtype:
+            x = x.to(self.compute_dtype)  # a copy, so contiguous
+        elif not x.is_contiguous():
             x = x.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return y.view(*shape[:-1], self.out_features)
+        return y.to(dtype).view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn, "
+            f"compute_dtype={self.compute_dtype}, small_batch={self.small_batch is not None}"
+        )
 
 
-def pack_linears(module: nn.Module) -> int:
-    """Replace every packable ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns the
-    number replaced. A tied weight (the LM head sharing the embedding) gets its own packed copy;
-    the embedding keeps the plain one."""
+def pack_linears(
+    module: nn.Module, mode: str = "auto", small_batch: SmallBatchLinear | None = None
+) -> int:
+    """Replace every packable ``nn.Linear`` under ``module`` by a ``PackedLinear`` computing in
+    ``matmul_dtype(weight dtype, mode)`` (with ``small_batch`` where its weights are widened);
+    returns the number replaced. A tied weight (the LM head sharing the embedding) gets its own
+    packed copy; the embedding keeps the plain one."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, nn.Linear) and can_pack(child.weight):
-            setattr(module, name, PackedLinear(child))
-            count += 1
+        if isinstance(child, nn.Linear):
+            compute = matmul_dtype(child.weight.dtype, mode)
+            if can_pack(child.weight, compute):
+                setattr(module, name, PackedLinear(child, compute, small_batch))
+                count += 1
         else:
-            count += pack_linears(child)
+            count += pack_linears(child, mode, small_batch)
     return count

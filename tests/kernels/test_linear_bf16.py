@@ -1,0 +1,112 @@
+"""The compiled small-batch linear layer (``CpuKernels.linear_bf16``) and the packed linear layers
+that use it (``services.engine.model.packed_linear``) where bfloat16 weights compute in float32.
+
+The reference is float32 arithmetic on the same bfloat16 values, rounded to bfloat16 once: what
+the kernel promises. Float32 sums in another order differ by about 1e-6, which may move a result
+across a bfloat16 rounding boundary: hence the tolerance of one unit in the last place (plus 1e-5
+for results near zero, whose last place is finer than the float32 sums' error).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import cpu_ops
+from services.engine.model import packed_linear
+from services.engine.model.packed_linear import PackedLinear, matmul_dtype, pack_linears
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_ops.CpuKernels:
+    if cpu_ops.find_compiler() is None:
+        pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernel")
+    loaded = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None, "a C compiler is on PATH but the kernel did not build"
+    return loaded
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = x.float() @ weight.float().T
+    return (y if bias is None else y + bias).to(torch.bfloat16)
+
+
+def assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
+    ulp = expected.float().abs() * 2.0**-7  # at least one bfloat16 step (8 significant bits)
+    assert bool(((actual.float() - expected.float()).abs() <= ulp + 1e-5).all())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features", [960, 1001])  # 1001: 1 feature past the 8-row tiles
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float32_math_on_bfloat16_values(
+    kernel: cpu_ops.CpuKernels, rows: int, out_features: int, bias: bool
+) -> None:
+    torch.manual_seed(rows + out_features)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    weight = (torch.randn(out_features, 576) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features) if bias else None
+    assert_within_one_ulp(kernel.linear_bf16(x, weight, b), reference(x, weight, b))
+
+
+def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels) -> None:
+    weight = torch.randn(32, 64).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    assert kernel.linear_bf16(x, weight, None) is None  # more rows than LINEAR_MAX_ROWS
+    assert kernel.linear_bf16(x[:1].float(), weight, None) is None  # float32 input
+    assert kernel.linear_bf16(x[:1, :48], weight[:, :48], None) is None  # 48: fine
+    assert kernel.linear_bf16(x[:1, :40], weight[:, :40].contiguous(), None) is None  # 40 % 16
+    assert kernel.linear_bf16(x[:1], weight[:, :32], None) is None  # a strided weight
+
+
+def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
+    weight = torch.zeros(8, 16, dtype=torch.bfloat16)
+    weight[:, 0] = 1.0
+    x = torch.zeros(1, 16, dtype=torch.bfloat16)
+    # 1 + 2^-8 lies halfway between two bfloat16 values (1 and 1 + 2^-7): even is 1.
+    bias = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, float("nan"), 0, 0, 0, 0, 0])
+    y = kernel.linear_bf16(x, weight, bias)
+    assert y[0, 0].item() == 1.0 and y[0, 1].item() == 1 + 2.0**-6 and y[0, 2].isnan()
+
+
+def test_matmul_dtype_widens_half_precision_only_without_native_dot_products(monkeypatch) -> None:
+    assert matmul_dtype(torch.float32, "auto") == torch.float32
+    assert matmul_dtype(torch.bfloat16, "native") == torch.bfloat16
+    assert matmul_dtype(torch.bfloat16, "float32") == torch.float32
+    monkeypatch.setattr(packed_linear, "native_matmul", lambda dtype: False)
+    assert matmul_dtype(torch.bfloat16, "auto") == torch.float32
+    monkeypatch.setattr(packed_linear, "native_matmul", lambda dtype: True)
+    assert matmul_dtype(torch.bfloat16, "auto") == torch.bfloat16
+    with pytest.raises(ValueError, match="matmul mode must be one of"):
+        matmul_dtype(torch.bfloat16, "fast")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 64])  # 1, 4: the kernel; 64: the widened oneDNN GEMM
+def test_widened_packed_linear_matches_float32_math(kernel: cpu_ops.CpuKernels, rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
+    packed = PackedLinear(linear, torch.float32, kernel.linear_bf16)
+    calls: list[int] = []
+    packed.small_batch = lambda x, w, b: calls.append(len(x)) or kernel.linear_bf16(x, w, b)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = packed(x)
+    assert calls == [rows]  # asked every time; it declines 64 rows
+    bias = linear.bias.detach().float()
+    assert_within_one_ulp(out, reference(x, linear.weight.detach(), bias))
+
+
+def test_pack_linears_keeps_a_tied_weight_shared(kernel: cpu_ops.CpuKernels) -> None:
+    embedding = nn.Embedding(64, 32).to(torch.bfloat16)
+    head = nn.Linear(32, 64, bias=False).to(torch.bfloat16)
+    head.weight = embedding.weight
+    model = nn.ModuleDict({"embed": embedding, "head": head})
+    assert pack_linears(model, "float32", kernel.linear_bf16) == 1
+    packed = model["head"]
+    assert isinstance(packed, PackedLinear) and packed.compute_dtype == torch.float32
+    assert packed.weight.data_ptr() == embedding.weight.data_ptr()  # no bf16 copy
+    float32_model = nn.ModuleDict({"head": nn.Linear(32, 64)})
+    pack_linears(float32_model, "auto", kernel.linear_bf16)
+    assert float32_model["head"].small_batch is None and float32_model["head"].weight is None
