@@ -2,7 +2,8 @@
 own interpreter (vLLM's peer venv, or ours): load the model once, time each workload a few
 times, print one JSON line.
 
-Workloads (greedy, ``ignore_eos``, the same random token-id prompts on both sides):
+Workloads (greedy, ``ignore_eos``, the same random token-id prompts on both sides, new ones for
+every repeat so that no prompt is ever served from a prefix cache):
 
 - ``batch``: 64 prompts of 128 tokens -> 128 tokens each, all submitted at once;
 - ``single``: one prompt of 128 tokens -> 128 tokens (single-stream decode);
@@ -178,32 +179,34 @@ def profile(run: Profiled, seed: int) -> dict[str, dict[str, float]]:
     """Milliseconds per decode step by category, for each of ``PROFILES``."""
     result = {}
     for name, (num, length, steps) in PROFILES.items():
-        batch = prompts(num, length, seed)
-        run(batch, 1 + steps)  # warm-up: first-time costs of these shapes are not profiled
-        wall, table = run(batch, 1)
+        # Other prompts each run: a repeated prompt would be a prefix-cache hit, not a prefill.
+        run(prompts(num, length, seed + 2), 1 + steps)  # warm-up: first costs of these shapes
+        wall, table = run(prompts(num, length, seed), 1)
         prefill = categorize(*parse_table(table), wall)
-        wall, table = run(batch, 1 + steps)
+        wall, table = run(prompts(num, length, seed + 1), 1 + steps)
         both = categorize(*parse_table(table), wall)
         result[name] = {k: 1e3 * (both[k] - prefill[k]) / steps for k in both}
     return result
 
 
 def measure(generate: Generate, names: list[str], repeats: int, seed: int) -> dict[str, Any]:
-    """Seconds of every repeat of each workload, and the batch workload's outputs."""
-    generate(prompts(2, 16, seed + 99), 4)  # warm-up: first-call costs are not measured
+    """Seconds of every repeat of each workload, and the batch workload's outputs (of its first
+    repeat). Each repeat sends prompts of its own: repeating one would time prefix-cache hits
+    (both systems cache prompts by default), not prefills."""
     result: dict[str, Any] = {"seconds": {}, "outputs": {}}
     for name in names:
         num, length, max_tokens = WORKLOADS[name]
-        batch = prompts(num, length, seed)
+        generate(prompts(1, length, seed + 99), 2)  # warm-up: first-call costs of this shape
         times = []
-        for _ in range(repeats):
+        for repeat in range(repeats):
+            batch = prompts(num, length, seed + 1000 * repeat)
             start = time.perf_counter()
             outs = generate(batch, max_tokens)
             times.append(time.perf_counter() - start)
             if any(len(o) != max_tokens for o in outs):  # every token counted was generated
                 raise RuntimeError(f"{name}: output lengths {sorted({len(o) for o in outs})}")
+            result["outputs"].setdefault(name, outs)
         result["seconds"][name] = times
-        result["outputs"][name] = outs
     return result
 
 
