@@ -84,7 +84,8 @@ def approx_tokens(text: str) -> int:
 
 
 def token_counter(tokenizer: str | None) -> Callable[[str], int]:
-    """A counter from a ``tokenizer.json`` file (``tokenizers`` package), else the estimate."""
+    """A counter from a ``tokenizer.json`` file, or a model directory holding one (``tokenizers``
+    package), else the estimate."""
     if not tokenizer:
         return approx_tokens
     try:
@@ -94,13 +95,17 @@ def token_counter(tokenizer: str | None) -> Callable[[str], int]:
             "--tokenizer needs the tokenizers package: pip install tokenizers"
         ) from None
     try:
-        if Path(tokenizer).exists():
-            tok = Tokenizer.from_file(tokenizer)
+        path = Path(tokenizer)
+        if path.is_dir():  # a model directory, as vLLM's --tokenizer takes
+            path = path / "tokenizer.json"
+        if path.exists():
+            tok = Tokenizer.from_file(str(path))
         else:
             tok = Tokenizer.from_pretrained(tokenizer)
     except Exception as exc:  # the library raises its own exception types
         raise ValueError(
-            f"--tokenizer {tokenizer}: not a tokenizer.json file or a hub name ({exc})"
+            f"--tokenizer {tokenizer}: not a tokenizer.json file, a directory with one, or a hub "
+            f"name ({exc})"
         ) from None
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
 

@@ -173,6 +173,8 @@ def test_a_tokenizer_file_counts_exactly(tmp_path) -> None:  # type: ignore[no-u
     custom.write_text('{"prompt": "hello world hello, x", "max_tokens": 3}\n')
     cfg = DatasetConfig(name="custom", path=str(custom), tokenizer=str(path))
     assert load(cfg)[0].prompt_len == 5  # hello world hello , x
+    in_directory = DatasetConfig(name="custom", path=str(custom), tokenizer=str(tmp_path))
+    assert load(in_directory)[0].prompt_len == 5  # a model directory, as vLLM's flag takes
 
 
 def test_the_itl_p99_slo_bounds_each_requests_own_stalls() -> None:
