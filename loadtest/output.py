@@ -73,7 +73,7 @@ class Outputs:
             return
         stem = self._stem(default_filename(self.cfg, out), suffix, out.stopped)
         doc = result_dict(self.cfg, out, m, settings=self.settings)
-        written = [save_json(doc, stem.with_suffix(".json"))]
+        written = [save_json(doc, stem.with_name(stem.name + ".json"))]  # keeps dots in names
         written.append(save_csv(out, stem.with_name(stem.name + "_requests.csv"), self.slos))
         if plots and not self.args.no_plots:
             from loadtest.plots import plot_run

@@ -159,8 +159,9 @@ def test_no_samples_read_n_a(server, capsys) -> None:  # type: ignore[no-untyped
 
 
 def test_compare_is_honest(server, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    # "run.8-requests.json": a name with dots is kept whole (the JSON once lost what followed one)
     common = ["--result-dir", str(tmp_path), "--save-result", "--no-plots", "--goodput", "ttft:900"]
-    assert main([*small(server, n=8), *common, "--result-filename", "eight-requests.json"]) == 0
+    assert main([*small(server, n=8), *common, "--result-filename", "run.8-requests.json"]) == 0
     assert (
         main(
             [
@@ -177,7 +178,7 @@ def test_compare_is_honest(server, tmp_path, capsys) -> None:  # type: ignore[no
     capsys.readouterr()
     argv = [
         "--compare",
-        str(tmp_path / "eight-requests.json"),
+        str(tmp_path / "run.8-requests.json"),
         str(tmp_path / "five-requests.json"),
     ]
     assert main(argv) == 0
@@ -185,11 +186,11 @@ def test_compare_is_honest(server, tmp_path, capsys) -> None:  # type: ignore[no
     assert "warning: the runs differ" in table
     assert "num_prompts: 8 vs 5" in table and "backend: openai vs openai-chat" in table
     header = next(line for line in table.splitlines() if line.startswith("metric"))
-    assert "eight-requests" in header and "five-requests" in header  # full names
+    assert "run.8-requests" in header and "five-requests" in header  # full names
     completed = next(line for line in table.splitlines() if line.startswith("completed "))
     assert "worse" not in completed and "better" not in completed
     # Values are never cut: a long number prints in full.
-    doc = json.loads((tmp_path / "eight-requests.json").read_text())
+    doc = json.loads((tmp_path / "run.8-requests.json").read_text())
     other = {**doc, "request_goodput": 0.0004740534027827}
     line = next(x for x in compare(doc, other).splitlines() if x.startswith("request_goodput"))
     assert "0.000474" in line
