@@ -276,7 +276,8 @@ def component(cmdline: list[str]) -> str:
     for key in ("redis-server", "router", "prefill", "decode", "colocated", "api_server"):
         if key in text:
             return key
-    return "engine" if "multiprocessing" in text or "vllm" in text else "supervisor"
+    # vLLM names its engine-core and worker processes "VLLM::EngineCore", "VLLM::Worker"
+    return "engine" if "multiprocessing" in text or "vllm" in text.lower() else "supervisor"
 
 
 def online(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
