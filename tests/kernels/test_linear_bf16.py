@@ -107,6 +107,7 @@ def test_pack_linears_keeps_a_tied_weight_shared(kernel: cpu_ops.CpuKernels) -> 
     packed = model["head"]
     assert isinstance(packed, PackedLinear) and packed.compute_dtype == torch.float32
     assert packed.weight.data_ptr() == embedding.weight.data_ptr()  # no bf16 copy
-    float32_model = nn.ModuleDict({"head": nn.Linear(32, 64)})
-    pack_linears(float32_model, "auto", kernel.linear_bf16)
-    assert float32_model["head"].small_batch is None and float32_model["head"].weight is None
+    for dtype in (torch.float32, torch.float16):  # float32: not widened; float16: no kernel
+        other = nn.ModuleDict({"head": nn.Linear(32, 64).to(dtype)})
+        pack_linears(other, "float32", kernel.linear_bf16)
+        assert other["head"].small_batch is None and other["head"].weight is None

@@ -103,7 +103,10 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.compute_dtype = compute_dtype or linear.weight.dtype
         widened = self.compute_dtype != linear.weight.dtype
-        self.small_batch = small_batch if widened else None
+        # The compiled kernel reads bfloat16 only: other widened weights keep the packed GEMM.
+        self.small_batch = (
+            small_batch if widened and linear.weight.dtype == torch.bfloat16 else None
+        )
         with torch.no_grad():
             weight = linear.weight.detach().to(self.compute_dtype).contiguous()
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
