@@ -148,6 +148,7 @@ class CpuKernels:
             fn.argtypes += [i32, ctypes.c_float, ptr, i32]
             fn.restype = ctypes.c_int
             self._decode[dtype] = fn
+        self._checked: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
         self._linear = lib.linear_bf16
         self._linear.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._linear.argtypes += [ctypes.c_int]
@@ -155,6 +156,27 @@ class CpuKernels:
 
     def __repr__(self) -> str:
         return f"CpuKernels({str(self.path)!r})"
+
+    def _check_indices(
+        self,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+        max_len: int,
+        block_size: int,
+        num_blocks: int,
+    ) -> None:
+        """The C kernel trusts its indices: check them here rather than read out of bounds. All
+        layers of a step pass the same table and length tensors: those are checked once (the
+        last pair checked is held, so a new tensor can never reuse its identity)."""
+        last = self._checked
+        key = (max_len, block_size, num_blocks)
+        if last and last[0] is tables and last[1] is lens and last[2:] == key:
+            return
+        if len(lens) and int(lens.clamp(max=max_len).max()) > tables.shape[-1] * block_size:
+            raise ValueError("block_tables has fewer blocks than the context lengths need")
+        if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
+            raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
+        self._checked = (tables, lens, *key)
 
     def paged_attention_decode(
         self,
@@ -179,11 +201,7 @@ class CpuKernels:
             int(lens.max()) if max_context_len is None and num_seqs else (max_context_len or 0)
         )
         block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
-        # The C kernel trusts its indices: check them here rather than read out of bounds.
-        if num_seqs and int(lens.clamp(max=max_len).max()) > tables.shape[-1] * block_size:
-            raise ValueError("block_tables has fewer blocks than the context lengths need")
-        if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
-            raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
+        self._check_indices(tables, lens, max_len, block_size, num_blocks)
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
         block_stride, token_stride, head_stride, _ = key_cache.stride()
         status = self._decode[key_cache.dtype](

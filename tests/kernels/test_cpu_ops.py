@@ -187,6 +187,15 @@ def test_bad_block_tables_raise_instead_of_reading_out_of_bounds(
         kernel.paged_attention_decode(
             query, key_cache, value_cache, torch.tensor([[0, 1, 8]], dtype=torch.int32), lens, 0.1
         )
+    # Checked once per pair of tensors (every layer of a step passes the same ones): a good
+    # pair passes, and a new table with the same lengths is checked again.
+    good = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    for _ in range(2):
+        kernel.paged_attention_decode(query, key_cache, value_cache, good, lens, 0.1)
+    with pytest.raises(ValueError, match=r"block id outside \[0, 8\)"):
+        kernel.paged_attention_decode(
+            query, key_cache, value_cache, torch.tensor([[0, 1, 9]], dtype=torch.int32), lens, 0.1
+        )
 
 
 def test_kernel_shares_torchs_openmp_runtime(kernel: cpu_ops.CpuKernels) -> None:

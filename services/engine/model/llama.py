@@ -35,6 +35,9 @@ class AttentionMetadata:
     backend: str | kernels.Backend | None = None
 
 
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, head_dim] of one step
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -67,12 +70,18 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+        """cos and sin ``[T, 1, D]`` at ``positions``: looked up once per step, for all layers."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        return cos, self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(
+    rotary: Rotary, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of queries and keys with one step's ``RotaryEmbedding.tables``."""
+    cos, sin = rotary
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,8 +109,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rotary: Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -110,7 +118,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(rotary, q, k)
         key_cache, value_cache = kv_cache
         kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
         nd = meta.num_decode_tokens
@@ -167,12 +175,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rotary: Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,8 +206,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rope.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rope, kv_cache, meta)
+            x = layer(x, rotary, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
