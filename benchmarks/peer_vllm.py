@@ -407,20 +407,17 @@ def main(argv: list[str] | None = None) -> int:
     args.model = model_dir()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = {"command": command, "machine": machine, "peer": PEER}
-    if args.profile:
-        result = profiles(args, peer)
-        print_profiles(result)
-        path = args.out_dir / "peer_vllm_profile.json"
-        path.write_text(json.dumps({**data, "profile_ms_per_step": result}, indent=2) + "\n")
-        print(f"saved {path}")
-        return 0
-    if args.online:
-        results = online(args, peer)
-        print_online(results)
-        path = args.out_dir / "peer_vllm_online.json"
-        path.write_text(json.dumps({**data, "online": results}, indent=2) + "\n")
-        print(f"saved {path}")
-        return 0
+    for wanted, run, show, name, key in (
+        (args.profile, profiles, print_profiles, "peer_vllm_profile.json", "profile_ms_per_step"),
+        (args.online, online, print_online, "peer_vllm_online.json", "online"),
+    ):
+        if wanted:
+            results = run(args, peer)
+            show(results)
+            path = args.out_dir / name
+            path.write_text(json.dumps({**data, key: results}, indent=2) + "\n")
+            print(f"saved {path}")
+            return 0
     result = offline(args, peer)
     print_offline(result)
     path = args.out_dir / "peer_vllm.json"

@@ -38,16 +38,6 @@ needs_compiler = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_ops.CpuKernels:
-    """The kernel built once for this module, in a directory of its own (not ~/.cache)."""
-    if cpu_ops.find_compiler() is None:
-        pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernel")
-    loaded = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "a C compiler is on PATH but the kernel did not build"
-    return loaded
-
-
 def engine_layer_caches(
     num_blocks: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,15 +18,6 @@ from services.engine.model import packed_linear
 from services.engine.model.packed_linear import PackedLinear, matmul_dtype, pack_linears
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_ops.CpuKernels:
-    if cpu_ops.find_compiler() is None:
-        pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernel")
-    loaded = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
-    assert loaded is not None, "a C compiler is on PATH but the kernel did not build"
-    return loaded
-
-
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = x.float() @ weight.float().T
     return (y if bias is None else y + bias).to(torch.bfloat16)

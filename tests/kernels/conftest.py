@@ -1,0 +1,17 @@
+"""The compiled CPU kernels, built once per test module (shared by the kernel tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels import cpu_ops
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_ops.CpuKernels:
+    """The kernel built once for this module, in a directory of its own (not ~/.cache)."""
+    if cpu_ops.find_compiler() is None:
+        pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernel")
+    loaded = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
+    assert loaded is not None, "a C compiler is on PATH but the kernel did not build"
+    return loaded
