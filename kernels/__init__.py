@@ -1,4 +1,6 @@
-"""Attention over the paged KV cache and the KV-cache write, dispatched by device or backend.
+"""Attention over the paged KV cache, the KV-cache write, and the per-token glue of a decoder
+layer (residual add with RMSNorm, rotary with the KV write, SiLU-and-multiply), dispatched by
+device or backend.
 
 ``backend`` picks the implementation: None dispatches by device (CUDA tensors take the Triton
 kernels, ``kernels.triton_ops``; CPU tensors the vectorized PyTorch reference,
@@ -15,10 +17,22 @@ from typing import Protocol
 import torch
 
 from kernels import reference
+from kernels.reference import Rotary
+
+__all__ = [
+    "Backend",
+    "Rotary",
+    "add_rms_norm",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rotary_write_kv",
+    "silu_mul",
+    "write_kv",
+]
 
 
 class Backend(Protocol):
-    """The three operations, with the contracts of ``kernels.reference``'s functions."""
+    """The operations, with the contracts of ``kernels.reference``'s functions."""
 
     def write_kv(
         self,
@@ -53,6 +67,24 @@ class Backend(Protocol):
         scale: float,
         /,
     ) -> torch.Tensor: ...
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, /
+    ) -> torch.Tensor: ...
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        rotary: Rotary,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        /,
+    ) -> torch.Tensor: ...
+
+    def silu_mul(self, gate_up: torch.Tensor, /) -> torch.Tensor: ...
 
 
 def _backend(tensor: torch.Tensor, backend: str | Backend | None) -> Backend:
@@ -114,3 +146,35 @@ def paged_attention_prefill(
     return _backend(query, backend).paged_attention_prefill(
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
     )
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    delta: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    backend: str | Backend | None = None,
+) -> torch.Tensor:
+    """RMSNorm of the residual stream ``x`` after adding ``delta`` into it (in place)."""
+    return _backend(x, backend).add_rms_norm(x, delta, weight, eps)
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    rotary: Rotary,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    backend: str | Backend | None = None,
+) -> torch.Tensor:
+    """Rotated queries of a fused q/k/v projection; its rotated keys and values go to the cache."""
+    return _backend(qkv, backend).rotary_write_kv(
+        qkv, rotary, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
+    )
+
+
+def silu_mul(gate_up: torch.Tensor, backend: str | Backend | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused gate/up projection."""
+    return _backend(gate_up, backend).silu_mul(gate_up)

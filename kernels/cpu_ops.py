@@ -1,5 +1,6 @@
-"""The compiled CPU path: paged decode attention that reads KV blocks in place, and the
-small-batch linear layer that reads bfloat16 weights in place.
+"""The compiled CPU path: paged decode attention that reads KV blocks in place, the
+small-batch linear layer that reads bfloat16 weights in place, and the per-token glue of a
+decoder layer fused (``add_rms_norm``, ``rotary_write_kv``, ``silu_mul``).
 
 ``kernels/csrc/*.c`` are built once per machine, into one library, with the system C compiler
 (``-O3 -march=native``) into a build directory and loaded with ctypes; nothing is compiled at
@@ -12,9 +13,11 @@ environment.
 
 Of attention, only decode is compiled: it runs every step for every sequence and, done with
 PyTorch ops, copies each sequence's whole context out of the cache (``reference.gather_blocks``)
-per layer. Prefill and the KV write are reference ops here. ``CpuKernels.linear_bf16`` serves the
-model's linear layers (``services.engine.model.packed_linear``) at decode batches of a few rows on
-CPUs without bfloat16 dot products.
+per layer. Prefill is the reference here; the KV write is part of ``rotary_write_kv``. The layer
+glue is compiled because at a decode batch of one its twenty-odd PyTorch operators per layer cost
+more in dispatch than in arithmetic (``kernels/csrc/layer_ops_cpu.c``). ``CpuKernels.linear_bf16``
+serves the model's linear layers (``services.engine.model.packed_linear``) at decode batches of a
+few rows on CPUs without bfloat16 dot products.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from pathlib import Path
 import torch
 
 from kernels import reference
+from kernels.reference import Rotary
 
 logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / "csrc" / f"{name}.c"
-    for name in ("paged_attention_cpu", "linear_bf16_cpu")
+    for name in ("paged_attention_cpu", "linear_bf16_cpu", "layer_ops_cpu")
 ]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 MAX_GROUP = 64  # query heads per KV head the C kernel accepts
@@ -131,9 +135,9 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
 
 
 class CpuKernels:
-    """A loaded kernel library as a ``kernels`` backend: decode attention compiled for float32
-    and bfloat16 caches (other dtypes and layouts, see ``supports``, go to the reference), the KV
-    write and prefill the reference."""
+    """A loaded kernel library as a ``kernels`` backend: decode attention and the layer glue
+    compiled for float32 and bfloat16 (other dtypes and layouts go to the reference: see
+    ``supports`` and ``_glue_takes``), the plain KV write and prefill the reference."""
 
     write_kv = staticmethod(reference.write_kv)
     paged_attention_prefill = staticmethod(reference.paged_attention_prefill)
@@ -153,6 +157,16 @@ class CpuKernels:
         self._linear.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._linear.argtypes += [ctypes.c_int]
         self._linear.restype = ctypes.c_int
+        i64s = [i64] * 4
+        self._norm = lib.add_rms_norm
+        self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32, i32]
+        self._rotary = lib.rotary_write_kv
+        self._rotary.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, *i64s, ptr, *i64s, i32, i32]
+        self._silu_mul = lib.silu_mul
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
+        for fn in (self._norm, self._rotary, self._silu_mul):
+            fn.restype = ctypes.c_int
+        self._slots_checked: tuple[torch.Tensor, int] | None = None
 
     def __repr__(self) -> str:
         return f"CpuKernels({str(self.path)!r})"
@@ -262,3 +276,130 @@ class CpuKernels:
         if status != 0:
             raise RuntimeError(f"CPU bfloat16 linear kernel failed (status {status})")
         return out
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """Same contract as ``reference.add_rms_norm``."""
+        hidden = x.shape[-1]
+        if not _glue_takes(x, delta, weight) or weight.shape != (hidden,):
+            return reference.add_rms_norm(x, delta, weight, eps)
+        if delta is not None and delta.shape != x.shape:
+            raise ValueError(f"delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        status = self._norm(
+            x.data_ptr(),
+            None if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            x.numel() // hidden,
+            hidden,
+            eps,
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "add_rms_norm")
+        return out
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        rotary: Rotary,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> torch.Tensor:
+        """Same contract as ``reference.rotary_write_kv``."""
+        cos, sin = rotary
+        num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+        if (
+            not _glue_takes(qkv, cos, sin, key_cache, value_cache, contiguous=3)
+            or qkv.dim() != 2
+            or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
+            or cos.shape != (num_tokens, 1, head_dim)
+            or sin.shape != cos.shape
+            or key_cache.stride() != value_cache.stride()
+            or key_cache.stride(3) != 1
+            or head_dim % (2 * LANES)
+            or head_dim > MAX_HEAD_DIM
+            or slot_mapping.dtype != torch.int64
+        ):
+            return reference.rotary_write_kv(
+                qkv, rotary, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
+            )
+        slots = slot_mapping.contiguous()
+        self._check_slots(slots, key_cache.shape[0] * key_cache.shape[1], num_tokens)
+        query = qkv.new_empty(num_tokens, num_heads, head_dim)
+        block_stride, token_stride, head_stride, _ = key_cache.stride()
+        status = self._rotary(
+            qkv.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            slots.data_ptr(),
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_stride,
+            token_stride,
+            head_stride,
+            key_cache.shape[1],
+            query.data_ptr(),
+            num_tokens,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            qkv.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "rotary_write_kv")
+        return query
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Same contract as ``reference.silu_mul``."""
+        size = gate_up.shape[-1] // 2
+        if not _glue_takes(gate_up) or gate_up.shape[-1] % (2 * LANES):
+            return reference.silu_mul(gate_up)
+        out = gate_up.new_empty(*gate_up.shape[:-1], size)
+        status = self._silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            gate_up.numel() // (2 * size),
+            size,
+            gate_up.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "silu_mul")
+        return out
+
+    def _check_slots(self, slots: torch.Tensor, capacity: int, num_tokens: int) -> None:
+        """The C kernel writes where the slots say: check them once per slot tensor (all layers
+        of a step pass the same one)."""
+        if slots.shape != (num_tokens,):
+            raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {num_tokens} tokens")
+        last = self._slots_checked
+        if last and last[0] is slots and last[1] == capacity:
+            return
+        if num_tokens and not 0 <= int(slots.min()) <= int(slots.max()) < capacity:
+            raise ValueError(f"slot_mapping holds a slot outside [0, {capacity})")
+        self._slots_checked = (slots, capacity)
+
+
+def _glue_takes(*tensors: torch.Tensor | None, contiguous: int | None = None) -> bool:
+    """Whether the compiled layer glue takes these tensors: CPU, one dtype (float32 or
+    bfloat16), the last dimension a multiple of 16; contiguous, all of them, or the first
+    ``contiguous`` (a KV cache is a strided view of the engine's cache)."""
+    present = [t for t in tensors if t is not None]
+    first = present[0]
+    return (
+        first.dtype in CACHE_DTYPES
+        and first.device.type == "cpu"
+        and first.shape[-1] % LANES == 0
+        and all(t.dtype == first.dtype and t.device == first.device for t in present)
+        and all(t.is_contiguous() for t in present[:contiguous])
+    )
+
+
+def _check_status(status: int, name: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"CPU kernel {name} failed (status {status})")

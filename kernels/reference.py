@@ -158,3 +158,62 @@ def paged_attention_prefill(
         enable_gqa=True,
     )  # [S, H, max_q, hd]
     return out.transpose(1, 2)[seq_of_token, row_of_token]
+
+
+# The per-token glue of a decoder layer (the compiled CPU path fuses each into one call).
+
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, head_dim] of one step
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[num_tokens, hidden]`` after adding ``delta`` (None: nothing) into it in
+    place: ``x`` is the residual stream. Arithmetic as Hugging Face's Llama: statistics in
+    float32, the weight applied in ``x``'s dtype."""
+    if delta is not None:
+        x.add_(delta)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def apply_rotary(rotary: Rotary, x: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x`` ``[num_tokens, heads, head_dim]`` with one step's tables."""
+    cos, sin = rotary
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def split_rotated(
+    qkv: torch.Tensor, rotary: Rotary, num_heads: int, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries and keys rotated, and values, ``[num_tokens, heads, head_dim]`` each, of ``qkv``
+    ``[num_tokens, (num_heads + 2 num_kv_heads) * head_dim]`` (queries, keys, values)."""
+    num_tokens, head_dim = qkv.shape[0], rotary[0].shape[-1]
+    q, k, v = qkv.view(num_tokens, num_heads + 2 * num_kv_heads, head_dim).split(
+        [num_heads, num_kv_heads, num_kv_heads], dim=1
+    )
+    return apply_rotary(rotary, q), apply_rotary(rotary, k), v
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    rotary: Rotary,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """``split_rotated``, then keys and values stored at their slots (``write_kv``); returns the
+    rotated queries."""
+    q, k, v = split_rotated(qkv, rotary, num_heads, num_kv_heads)
+    write_kv(k, v, key_cache, value_cache, slot_mapping)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` ``[num_tokens, 2 * size]`` (gate, then up, per row)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -5,6 +5,8 @@ Same signatures and semantics as ``kernels.reference`` (the oracle the tests com
 * ``write_kv``: scatter each token's key/value into its cache slot.
 * ``paged_attention_decode``: one query per sequence over its whole paged context.
 * ``paged_attention_prefill``: packed variable-length causal chunks over a cached prefix.
+* ``add_rms_norm``, ``rotary_write_kv``, ``silu_mul``: the reference's PyTorch ops (they run on
+  the GPU as they are; their rotary's KV write goes through the Triton ``write_kv`` above).
 
 Cache views are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and may be strided (one layer
 of ``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``), so every kernel takes
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels import reference
 
 _LOG2E = 1.4426950408889634  # softmax uses exp2; scores are pre-scaled by log2(e)
 
@@ -326,3 +330,22 @@ def paged_attention_prefill(
         DOT_UPCAST=query.dtype == torch.bfloat16 and not query.is_cuda,  # interpreter, see _dot
     )
     return out
+
+
+add_rms_norm = reference.add_rms_norm
+silu_mul = reference.silu_mul
+
+
+def rotary_write_kv(
+    qkv: torch.Tensor,
+    rotary: reference.Rotary,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """``reference.rotary_write_kv`` with this module's ``write_kv``."""
+    q, k, v = reference.split_rotated(qkv, rotary, num_heads, num_kv_heads)
+    write_kv(k, v, key_cache, value_cache, slot_mapping)
+    return q

@@ -147,8 +147,8 @@ class EngineConfig:
     )
     cpu_kernels: bool = setting(
         True,
-        "compile the CPU decode-attention kernel at first start, into <cache-dir>/kernels "
-        "(off: the PyTorch reference)",
+        "compile the CPU kernels (decode attention, the layer glue, the small-batch bfloat16 "
+        "linear) at first start, into <cache-dir>/kernels (off: the PyTorch reference)",
     )
     cpu_matmul: str = setting(
         "auto",

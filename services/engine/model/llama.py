@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels
@@ -35,20 +34,22 @@ class AttentionMetadata:
     backend: str | kernels.Backend | None = None
 
 
-Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [num_tokens, 1, head_dim] of one step
-
-
 class RMSNorm(nn.Module):
+    """RMSNorm that first adds the previous sublayer's output into the residual stream."""
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None = None,
+        backend: str | kernels.Backend | None = None,
+    ) -> torch.Tensor:
+        """The norm of ``x + delta``; ``x`` (the residual stream) is updated in place."""
+        return kernels.add_rms_norm(x, delta, self.weight, self.eps, backend=backend)
 
 
 class RotaryEmbedding(nn.Module):
@@ -70,23 +71,10 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> kernels.Rotary:
         """cos and sin ``[T, 1, D]`` at ``positions``: looked up once per step, for all layers."""
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         return cos, self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(
-    rotary: Rotary, q: torch.Tensor, k: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE of queries and keys with one step's ``RotaryEmbedding.tables``."""
-    cos, sin = rotary
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -109,18 +97,22 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: Rotary,
+        rotary: kernels.Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(rotary, q, k)
         key_cache, value_cache = kv_cache
-        kernels.write_kv(k, v, key_cache, value_cache, meta.slot_mapping, backend=meta.backend)
+        q = kernels.rotary_write_kv(
+            self.qkv_proj(x),
+            rotary,
+            key_cache,
+            value_cache,
+            meta.slot_mapping,
+            self.num_heads,
+            self.num_kv_heads,
+            backend=meta.backend,
+        )
         nd = meta.num_decode_tokens
         parts = []
         if nd:
@@ -159,9 +151,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, backend: str | kernels.Backend | None) -> torch.Tensor:
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x), backend=backend))
 
 
 class DecoderLayer(nn.Module):
@@ -175,12 +166,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: Rotary,
+        delta: torch.Tensor | None,
+        rotary: kernels.Rotary,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream, updated in place; ``delta``: the previous layer's MLP
+        output, not yet added to it (None for the first layer). Returns ``x`` and this layer's
+        MLP output: each residual add is fused into the norm that follows it."""
+        h = self.input_layernorm(x, delta, meta.backend)
+        h = self.post_attention_layernorm(
+            x, self.self_attn(h, rotary, kv_cache, meta), meta.backend
+        )
+        return x, self.mlp(h, meta.backend)
 
 
 class LlamaModel(nn.Module):
@@ -205,11 +203,12 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # a new tensor: the residual stream, updated in place
         rotary = self.rope.tables(positions, x.dtype)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rotary, kv_cache, meta)
-        return self.norm(x)
+            x, delta = layer(x, delta, rotary, kv_cache, meta)
+        return self.norm(x, delta, meta.backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

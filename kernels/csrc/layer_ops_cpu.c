@@ -1,0 +1,244 @@
+/*
+ * The per-token glue of a decoder layer, fused for the CPU: the residual add with the RMSNorm
+ * after it, rotary embedding with the KV-cache write, and SiLU-and-multiply. Done with PyTorch
+ * ops these are about twenty small operators per layer; at a decode batch of one sequence their
+ * dispatch costs more than their arithmetic (about 0.1 ms a layer against 0.3 ms for all four
+ * GEMMs). Here each is one call, one pass over its rows.
+ *
+ * Every function computes what kernels/reference.py's PyTorch ops compute, rounding where they
+ * round: in bfloat16 each elementwise result is rounded to bfloat16 (to nearest even) before the
+ * next operation reads it, as PyTorch's bfloat16 kernels do, so rotary and the KV write are
+ * bit-identical to the reference in both dtypes. RMSNorm's sum of squares and SiLU's exp differ
+ * from PyTorch's in the last bit of a float32 (order of the sum; the exp polynomial).
+ *
+ * Tensors are float32 or bfloat16 (`bf16`: 0 or 1, the same for all of a call's tensors), rows
+ * contiguous, sizes multiples of 16 (the Python side checks; it falls back to the reference). Rows
+ * are spread over torch's OpenMP threads (paged_attention_cpu.c says why that runtime) when there
+ * are enough of them to pay for waking the threads.
+ */
+#pragma GCC optimize("fp-contract=off") /* a*b + c rounds twice, as PyTorch's separate ops do */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t bf16x16 __attribute__((vector_size(32), aligned(2)));
+#define LANES 16
+#define PARALLEL_ELEMENTS 65536 /* below this many elements one thread is faster */
+#define MAX_HEAD_DIM 256
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE vec16 as_float(u32x16 bits) {
+    vec16 out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+ALWAYS_INLINE u32x16 as_bits(vec16 value) {
+    u32x16 out;
+    memcpy(&out, &value, sizeof out);
+    return out;
+}
+
+/* Bits of float32 `value` rounded to bfloat16 (nearest even; NaN stays a quiet NaN), low half 0. */
+ALWAYS_INLINE u32x16 bf16_bits(vec16 value) {
+    const u32x16 bits = as_bits(value);
+    const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const u32x16 is_nan = (u32x16)((bits & 0x7fffffffu) > 0x7f800000u);
+    return (rounded & ~is_nan) | ((bits | 0x400000u) & 0xffff0000u & is_nan);
+}
+
+/* `value` as the dtype stores it: rounded to bfloat16's precision, or unchanged in float32. */
+ALWAYS_INLINE vec16 round_to(vec16 value, int bf16) {
+    return bf16 ? as_float(bf16_bits(value)) : value;
+}
+
+ALWAYS_INLINE vec16 load(const void *base, int64_t index, int bf16) {
+    if (!bf16) return *(const vec16 *)((const float *)base + index);
+    const bf16x16 half = *(const bf16x16 *)((const uint16_t *)base + index);
+    return as_float(__builtin_convertvector(half, u32x16) << 16);
+}
+
+/* Stores `value` (already rounded for bfloat16: its low 16 bits are dropped). */
+ALWAYS_INLINE void store(void *base, int64_t index, vec16 value, int bf16) {
+    if (!bf16) {
+        *(vec16 *)((float *)base + index) = value;
+        return;
+    }
+    *(bf16x16 *)((uint16_t *)base + index) = __builtin_convertvector(as_bits(value) >> 16, bf16x16);
+}
+
+ALWAYS_INLINE float sum_lanes(vec16 x) {
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += x[i];
+    return total;
+}
+
+/* Lanes of `low` where `mask` is 0, of `high` where it is all ones. */
+ALWAYS_INLINE vec16 blend(vec16 low, vec16 high, i32x16 mask) {
+    const u32x16 m = (u32x16)mask;
+    return as_float((as_bits(low) & ~m) | (as_bits(high) & m));
+}
+
+/* e^x in float32 to about 1 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial of
+ * degree 7 (error below 1e-8 there), times 2^n built in the exponent bits. x is clamped to where
+ * 2^n is a normal float: e^x saturates near 3.4e38 and 1.2e-38 instead of reaching inf and 0. */
+ALWAYS_INLINE vec16 exp16(vec16 x) {
+    const vec16 high = (vec16){0} + 88.3762626647949f, low = (vec16){0} - 87.3365447504f;
+    x = blend(x, high, x > high);
+    x = blend(x, low, x < low);
+    const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
+    const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 in two parts */
+    vec16 p = r * (1.0f / 5040) + (1.0f / 720);
+    p = p * r + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    vec16 scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    return p * scale;
+}
+
+/* x += delta (when delta), then out = weight * round(x * rsqrt(mean(x^2) + eps)), for one row. */
+ALWAYS_INLINE void add_rms_norm_row(void *x, const void *delta, const void *weight, void *out,
+                                    int64_t row, int64_t hidden, float eps, int bf16) {
+    const int64_t base = row * hidden;
+    vec16 squares = {0};
+    for (int64_t i = 0; i < hidden; i += LANES) {
+        vec16 v = load(x, base + i, bf16);
+        if (delta) {
+            v = round_to(v + load(delta, base + i, bf16), bf16);
+            store(x, base + i, v, bf16);
+        }
+        squares += v * v;
+    }
+    const float inverse = 1.0f / sqrtf(sum_lanes(squares) / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i += LANES) {
+        const vec16 normed = round_to(load(x, base + i, bf16) * inverse, bf16);
+        store(out, base + i, round_to(load(weight, i, bf16) * normed, bf16), bf16);
+    }
+}
+
+ALWAYS_INLINE void add_rms_norm_rows(void *x, const void *delta, const void *weight, void *out,
+                                     int64_t rows, int64_t hidden, float eps, int num_threads,
+                                     int bf16) {
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++)
+        add_rms_norm_row(x, delta, weight, out, r, hidden, eps, bf16);
+}
+
+/* x, out [rows, hidden]; delta [rows, hidden] or NULL; weight [hidden]. Returns 0, or 1 for
+ * sizes it does not take. */
+int add_rms_norm(void *x, const void *delta, const void *weight, void *out, int64_t rows,
+                 int64_t hidden, float eps, int bf16, int num_threads) {
+    if (rows < 0 || hidden <= 0 || hidden % LANES || num_threads <= 0) return 1;
+    if (bf16)
+        add_rms_norm_rows(x, delta, weight, out, rows, hidden, eps, num_threads, 1);
+    else
+        add_rms_norm_rows(x, delta, weight, out, rows, hidden, eps, num_threads, 0);
+    return 0;
+}
+
+/* Rotate-half RoPE of one head in place in `head` ([dim]): with cos/sin of its token,
+ * x[i] cos[i] - x[i + dim/2] sin[i] for the first half, x[i] cos[i] + x[i - dim/2] sin[i] for the
+ * second, each product and the sum rounded to the dtype. */
+ALWAYS_INLINE void rotate_head(const void *head, int64_t at, const void *cos, const void *sin,
+                               int64_t table_at, int64_t dim, void *dest, int64_t dest_at,
+                               int bf16) {
+    const int64_t half = dim / 2;
+    vec16 first[MAX_HEAD_DIM / 2 / LANES], second[MAX_HEAD_DIM / 2 / LANES];
+    for (int64_t i = 0, c = 0; i < half; i += LANES, c++) {
+        const vec16 a = load(head, at + i, bf16), b = load(head, at + half + i, bf16);
+        const vec16 cos_a = load(cos, table_at + i, bf16), sin_a = load(sin, table_at + i, bf16);
+        const vec16 cos_b = load(cos, table_at + half + i, bf16);
+        const vec16 sin_b = load(sin, table_at + half + i, bf16);
+        first[c] = round_to(round_to(a * cos_a, bf16) - round_to(b * sin_a, bf16), bf16);
+        second[c] = round_to(round_to(b * cos_b, bf16) + round_to(a * sin_b, bf16), bf16);
+    }
+    for (int64_t i = 0, c = 0; i < half; i += LANES, c++) {
+        store(dest, dest_at + i, first[c], bf16);
+        store(dest, dest_at + half + i, second[c], bf16);
+    }
+}
+
+ALWAYS_INLINE void rotary_write_kv_token(const void *qkv, const void *cos, const void *sin,
+                                         const int64_t *slots, void *key_cache,
+                                         void *value_cache, int64_t block_stride,
+                                         int64_t token_stride, int64_t head_stride,
+                                         int64_t block_size, void *query, int64_t t,
+                                         int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                                         int bf16) {
+    const int64_t width = (num_heads + 2 * num_kv_heads) * dim, row = t * width;
+    const int64_t slot = slots[t];
+    const int64_t cache_at = slot / block_size * block_stride + slot % block_size * token_stride;
+    for (int64_t h = 0; h < num_heads; h++)
+        rotate_head(qkv, row + h * dim, cos, sin, t * dim, dim, query, (t * num_heads + h) * dim,
+                    bf16);
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+        const int64_t dest = cache_at + h * head_stride;
+        rotate_head(qkv, row + (num_heads + h) * dim, cos, sin, t * dim, dim, key_cache, dest,
+                    bf16);
+        const int64_t value_at = row + (num_heads + num_kv_heads + h) * dim;
+        for (int64_t i = 0; i < dim; i += LANES)
+            store(value_cache, dest + i, load(qkv, value_at + i, bf16), bf16);
+    }
+}
+
+/* qkv [tokens, (num_heads + 2 num_kv_heads) * dim] (one GEMM's output: queries, keys, values);
+ * cos, sin [tokens, dim]: each token's row of the rotary tables; slots [tokens] int64, each in
+ * [0, blocks * block_size) (checked by the caller); caches [blocks, block_size, kv_heads, dim]
+ * with the given element strides. Writes the rotated queries to query [tokens, num_heads, dim],
+ * the rotated keys and the values to their slots. Returns 0, or 1 for sizes it does not take. */
+int rotary_write_kv(const void *qkv, const void *cos, const void *sin, const int64_t *slots,
+                    void *key_cache, void *value_cache, int64_t block_stride,
+                    int64_t token_stride, int64_t head_stride, int64_t block_size, void *query,
+                    int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
+                    int bf16, int num_threads) {
+    if (tokens < 0 || dim <= 0 || dim % (2 * LANES) || dim > MAX_HEAD_DIM || block_size <= 0 ||
+        num_threads <= 0)
+        return 1;
+    const int parallel = tokens * (num_heads + 2 * num_kv_heads) * dim >= PARALLEL_ELEMENTS;
+#pragma omp parallel for num_threads(num_threads) if (parallel)
+    for (int64_t t = 0; t < tokens; t++) {
+        if (bf16)
+            rotary_write_kv_token(qkv, cos, sin, slots, key_cache, value_cache, block_stride,
+                                  token_stride, head_stride, block_size, query, t, num_heads,
+                                  num_kv_heads, dim, 1);
+        else
+            rotary_write_kv_token(qkv, cos, sin, slots, key_cache, value_cache, block_stride,
+                                  token_stride, head_stride, block_size, query, t, num_heads,
+                                  num_kv_heads, dim, 0);
+    }
+    return 0;
+}
+
+ALWAYS_INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t size,
+                                 int num_threads, int bf16) {
+#pragma omp parallel for num_threads(num_threads) if (rows * size >= PARALLEL_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < size; i += LANES) {
+            const vec16 gate = load(gate_up, r * 2 * size + i, bf16);
+            const vec16 up = load(gate_up, r * 2 * size + size + i, bf16);
+            const vec16 silu = round_to(gate / (1.0f + exp16(-gate)), bf16);
+            store(out, r * size + i, round_to(silu * up, bf16), bf16);
+        }
+}
+
+/* out [rows, size] = silu(gate) * up, gate_up [rows, 2 size] holding gate then up in each row.
+ * Returns 0, or 1 for sizes it does not take. */
+int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t size, int bf16,
+             int num_threads) {
+    if (rows < 0 || size <= 0 || size % LANES || num_threads <= 0) return 1;
+    if (bf16)
+        silu_mul_rows(gate_up, out, rows, size, num_threads, 1);
+    else
+        silu_mul_rows(gate_up, out, rows, size, num_threads, 0);
+    return 0;
+}
