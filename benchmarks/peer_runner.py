@@ -45,6 +45,7 @@ PROFILES = {"single": (1, 128, 32), "batch": (64, 128, 16)}
 CATEGORIES = {
     "GEMMs (linear layers)": ("linear", "addmm", "matmul", "::mm", "gemm", "onednn", "mkldnn"),
     "attention + KV write": ("attention", "attn", "paged", "sdpa", "cache"),
+    "norms, rotary, activation": ("norm", "rotary", "silu", "act_and_mul"),
 }
 VOCAB_RANGE = (100, 49_000)  # ordinary tokens of SmolLM2's 49,152: no special ones
 
@@ -130,9 +131,8 @@ def show_compiled_kernels(llm: Any) -> None:
 
     backend = llm.engine.runner.attention
     if hasattr(backend, "linear_bf16"):
-        backend.paged_attention_decode = named(
-            "pdserve::paged_attention_decode", backend.paged_attention_decode
-        )
+        for op in ("paged_attention_decode", "add_rms_norm", "rotary_write_kv", "silu_mul"):
+            setattr(backend, op, named(f"pdserve::{op}", getattr(backend, op)))
         for module in llm.engine.model.modules():
             if getattr(module, "small_batch", None) is not None:
                 module.small_batch = named("pdserve::linear_bf16", module.small_batch)

@@ -40,11 +40,12 @@ from kernels.reference import Rotary
 
 logger = logging.getLogger(__name__)
 
+CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    Path(__file__).parent / "csrc" / f"{name}.c"
-    for name in ("paged_attention_cpu", "linear_bf16_cpu", "layer_ops_cpu")
+    CSRC / f"{name}.c" for name in ("paged_attention_cpu", "linear_bf16_cpu", "layer_ops_cpu")
 ]
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+HEADERS = [CSRC / "vec16.h"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared"]
 MAX_GROUP = 64  # query heads per KV head the C kernel accepts
 LANES, MAX_HEAD_DIM = 16, 256  # head_dim: a multiple of the kernel's vector width, at most this
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when none is named
@@ -72,7 +73,7 @@ def find_compiler(preferred: str | None = None) -> str | None:
 
 def build(compiler: str, out_dir: Path) -> Path:
     """Compile the kernels (once: the file name hashes the sources, flags and CPU)."""
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode())
     target = out_dir / f"pdserve_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -122,7 +123,7 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     dtype sharing strides, head_dim a multiple of 16 up to 256)."""
     num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
     return (
-        query.device.type == "cpu"
+        query.is_cpu
         and key_cache.dtype == value_cache.dtype
         and key_cache.dtype in CACHE_DTYPES
         and key_cache.stride() == value_cache.stride()
@@ -149,7 +150,7 @@ class CpuKernels:
         for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"paged_attention_decode_{name}")
             fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32]
-            fn.argtypes += [i32, ctypes.c_float, ptr, i32]
+            fn.argtypes += [i32, ctypes.c_float, ptr, i32, i32]
             fn.restype = ctypes.c_int
             self._decode[dtype] = fn
         self._checked: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
@@ -208,7 +209,8 @@ class CpuKernels:
                 query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
             )
         num_seqs, num_heads, head_dim = query.shape
-        q = query.to(torch.float32).contiguous()
+        # The kernel reads and writes float32 or bfloat16 rows itself: no conversion copies.
+        q = (query if query.dtype in CACHE_DTYPES else query.float()).contiguous()
         tables = block_tables.to(torch.int32).contiguous()
         lens = context_lens.to(torch.int32).contiguous()
         max_len = (
@@ -216,7 +218,7 @@ class CpuKernels:
         )
         block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
         self._check_indices(tables, lens, max_len, block_size, num_blocks)
-        out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32)
+        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
         block_stride, token_stride, head_stride, _ = key_cache.stride()
         status = self._decode[key_cache.dtype](
             q.data_ptr(),
@@ -236,11 +238,12 @@ class CpuKernels:
             block_size,
             scale,
             out.data_ptr(),
+            q.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
         if status != 0:
             raise RuntimeError(f"CPU paged attention kernel failed (status {status})")
-        return out.to(query.dtype)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def linear_bf16(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -282,10 +285,12 @@ class CpuKernels:
     ) -> torch.Tensor:
         """Same contract as ``reference.add_rms_norm``."""
         hidden = x.shape[-1]
-        if not _glue_takes(x, delta, weight) or weight.shape != (hidden,):
+        if (
+            not _glue_takes(x, delta, weight)
+            or weight.shape != (hidden,)
+            or (delta is not None and delta.shape != x.shape)  # the reference broadcasts
+        ):
             return reference.add_rms_norm(x, delta, weight, eps)
-        if delta is not None and delta.shape != x.shape:
-            raise ValueError(f"delta {tuple(delta.shape)} does not match x {tuple(x.shape)}")
         out = torch.empty_like(x)
         status = self._norm(
             x.data_ptr(),
@@ -385,19 +390,22 @@ class CpuKernels:
         self._slots_checked = (slots, capacity)
 
 
-def _glue_takes(*tensors: torch.Tensor | None, contiguous: int | None = None) -> bool:
-    """Whether the compiled layer glue takes these tensors: CPU, one dtype (float32 or
-    bfloat16), the last dimension a multiple of 16; contiguous, all of them, or the first
-    ``contiguous`` (a KV cache is a strided view of the engine's cache)."""
-    present = [t for t in tensors if t is not None]
-    first = present[0]
-    return (
-        first.dtype in CACHE_DTYPES
-        and first.device.type == "cpu"
-        and first.shape[-1] % LANES == 0
-        and all(t.dtype == first.dtype and t.device == first.device for t in present)
-        and all(t.is_contiguous() for t in present[:contiguous])
-    )
+def _glue_takes(*tensors: torch.Tensor | None, contiguous: int = 99) -> bool:
+    """Whether the compiled layer glue takes these tensors (None: absent): CPU, one dtype
+    (float32 or bfloat16), the first one's last dimension a multiple of 16; contiguous, the
+    first ``contiguous`` of them (a KV cache is a strided view of the engine's cache). Plain
+    loops: at one token this check is a good part of the call's cost."""
+    dtype = tensors[0].dtype  # type: ignore[union-attr]
+    if dtype not in CACHE_DTYPES or tensors[0].shape[-1] % LANES:  # type: ignore[union-attr]
+        return False
+    for index, tensor in enumerate(tensors):
+        if tensor is None:
+            continue
+        if tensor.dtype != dtype or not tensor.is_cpu:
+            return False
+        if index < contiguous and not tensor.is_contiguous():
+            return False
+    return True
 
 
 def _check_status(status: int, name: str) -> None:

@@ -20,91 +20,11 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
-#include <string.h>
 
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t bf16x16 __attribute__((vector_size(32), aligned(2)));
-#define LANES 16
+#include "vec16.h"
+
 #define PARALLEL_ELEMENTS 65536 /* below this many elements one thread is faster */
 #define MAX_HEAD_DIM 256
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-ALWAYS_INLINE vec16 as_float(u32x16 bits) {
-    vec16 out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-ALWAYS_INLINE u32x16 as_bits(vec16 value) {
-    u32x16 out;
-    memcpy(&out, &value, sizeof out);
-    return out;
-}
-
-/* Bits of float32 `value` rounded to bfloat16 (nearest even; NaN stays a quiet NaN), low half 0. */
-ALWAYS_INLINE u32x16 bf16_bits(vec16 value) {
-    const u32x16 bits = as_bits(value);
-    const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    const u32x16 is_nan = (u32x16)((bits & 0x7fffffffu) > 0x7f800000u);
-    return (rounded & ~is_nan) | ((bits | 0x400000u) & 0xffff0000u & is_nan);
-}
-
-/* `value` as the dtype stores it: rounded to bfloat16's precision, or unchanged in float32. */
-ALWAYS_INLINE vec16 round_to(vec16 value, int bf16) {
-    return bf16 ? as_float(bf16_bits(value)) : value;
-}
-
-ALWAYS_INLINE vec16 load(const void *base, int64_t index, int bf16) {
-    if (!bf16) return *(const vec16 *)((const float *)base + index);
-    const bf16x16 half = *(const bf16x16 *)((const uint16_t *)base + index);
-    return as_float(__builtin_convertvector(half, u32x16) << 16);
-}
-
-/* Stores `value` (already rounded for bfloat16: its low 16 bits are dropped). */
-ALWAYS_INLINE void store(void *base, int64_t index, vec16 value, int bf16) {
-    if (!bf16) {
-        *(vec16 *)((float *)base + index) = value;
-        return;
-    }
-    *(bf16x16 *)((uint16_t *)base + index) = __builtin_convertvector(as_bits(value) >> 16, bf16x16);
-}
-
-ALWAYS_INLINE float sum_lanes(vec16 x) {
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += x[i];
-    return total;
-}
-
-/* Lanes of `low` where `mask` is 0, of `high` where it is all ones. */
-ALWAYS_INLINE vec16 blend(vec16 low, vec16 high, i32x16 mask) {
-    const u32x16 m = (u32x16)mask;
-    return as_float((as_bits(low) & ~m) | (as_bits(high) & m));
-}
-
-/* e^x in float32 to about 1 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial of
- * degree 7 (error below 1e-8 there), times 2^n built in the exponent bits. x is clamped to where
- * 2^n is a normal float: e^x saturates near 3.4e38 and 1.2e-38 instead of reaching inf and 0. */
-ALWAYS_INLINE vec16 exp16(vec16 x) {
-    const vec16 high = (vec16){0} + 88.3762626647949f, low = (vec16){0} - 87.3365447504f;
-    x = blend(x, high, x > high);
-    x = blend(x, low, x < low);
-    const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
-    const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 in two parts */
-    vec16 p = r * (1.0f / 5040) + (1.0f / 720);
-    p = p * r + (1.0f / 120);
-    p = p * r + (1.0f / 24);
-    p = p * r + (1.0f / 6);
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
-    vec16 scale;
-    memcpy(&scale, &exponent, sizeof scale);
-    return p * scale;
-}
 
 /* x += delta (when delta), then out = weight * round(x * rsqrt(mean(x^2) + eps)), for one row. */
 ALWAYS_INLINE void add_rms_norm_row(void *x, const void *delta, const void *weight, void *out,
@@ -122,7 +42,7 @@ ALWAYS_INLINE void add_rms_norm_row(void *x, const void *delta, const void *weig
     const float inverse = 1.0f / sqrtf(sum_lanes(squares) / (float)hidden + eps);
     for (int64_t i = 0; i < hidden; i += LANES) {
         const vec16 normed = round_to(load(x, base + i, bf16) * inverse, bf16);
-        store(out, base + i, round_to(load(weight, i, bf16) * normed, bf16), bf16);
+        store(out, base + i, load(weight, i, bf16) * normed, bf16);
     }
 }
 
@@ -159,8 +79,8 @@ ALWAYS_INLINE void rotate_head(const void *head, int64_t at, const void *cos, co
         const vec16 cos_a = load(cos, table_at + i, bf16), sin_a = load(sin, table_at + i, bf16);
         const vec16 cos_b = load(cos, table_at + half + i, bf16);
         const vec16 sin_b = load(sin, table_at + half + i, bf16);
-        first[c] = round_to(round_to(a * cos_a, bf16) - round_to(b * sin_a, bf16), bf16);
-        second[c] = round_to(round_to(b * cos_b, bf16) + round_to(a * sin_b, bf16), bf16);
+        first[c] = round_to(a * cos_a, bf16) - round_to(b * sin_a, bf16); /* stores round */
+        second[c] = round_to(b * cos_b, bf16) + round_to(a * sin_b, bf16);
     }
     for (int64_t i = 0, c = 0; i < half; i += LANES, c++) {
         store(dest, dest_at + i, first[c], bf16);
@@ -227,7 +147,7 @@ ALWAYS_INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, i
             const vec16 gate = load(gate_up, r * 2 * size + i, bf16);
             const vec16 up = load(gate_up, r * 2 * size + size + i, bf16);
             const vec16 silu = round_to(gate / (1.0f + exp16(-gate)), bf16);
-            store(out, r * size + i, round_to(silu * up, bf16), bf16);
+            store(out, r * size + i, silu * up, bf16);
         }
 }
 

@@ -15,40 +15,14 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t bf16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-#define LANES 16
+#include "vec16.h"
+
 #define MAX_ROWS 4 /* rows x ROW_TILE float32 sums: at 4 rows that is every AVX-512 register */
 #define ROW_TILE 8 /* weight rows per inner step: 8 streams keep more loads in flight than 2 or 4 */
 #define PREFETCH 128 /* elements ahead (4 cache lines) in each weight row: +30% read rate here */
 /* Each tile also prefetches the next tile, a step ahead of its own reads: the hardware prefetcher
  * does not follow eight interleaved row streams across tiles (+25% from memory, 18 -> 23 GB/s). */
-
-static inline __attribute__((always_inline)) vec16 widen(const uint16_t *src) {
-    const bf16x16 half = *(const bf16x16 *)src;
-    const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-    vec16 out;
-    memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-static inline float sum16(vec16 v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
-}
-
-/* float32 -> bfloat16, rounding to nearest even (NaN stays NaN). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* ROW_TILE output features [n, n + ROW_TILE) for every row; `xf` is x widened, [rows, in]. */
 static inline __attribute__((always_inline)) void tile(const float *xf, const uint16_t *w, const float *bias, uint16_t *y, int rows,
@@ -64,7 +38,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const ui
         for (int line = 0; line < ROW_TILE * LANES * 2; line += 64) __builtin_prefetch(next + line);
         for (int t = 0; t < ROW_TILE; t++) {
             __builtin_prefetch(wr[t] + k + PREFETCH); /* past the row's end: a no-op hint */
-            wv[t] = widen(wr[t] + k);
+            wv[t] = load(wr[t], k, 1);
         }
         for (int m = 0; m < rows; m++) {
             const vec16 xv = *(const vec16 *)(xf + (int64_t)m * in + k);
@@ -74,7 +48,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const ui
     for (int m = 0; m < rows; m++)
         for (int t = 0; t < ROW_TILE; t++) {
             const float b = bias ? bias[n + t] : 0.0f;
-            y[(int64_t)m * out + n + t] = to_bf16(sum16(acc[m][t]) + b);
+            y[(int64_t)m * out + n + t] = to_bf16(sum_lanes(acc[m][t]) + b);
         }
 }
 
@@ -84,8 +58,8 @@ static void single(const float *xf, const uint16_t *w, const float *bias, uint16
     for (int m = 0; m < rows; m++) {
         vec16 acc = {0};
         for (int k = 0; k < in; k += LANES)
-            acc += *(const vec16 *)(xf + (int64_t)m * in + k) * widen(w + (int64_t)n * in + k);
-        y[(int64_t)m * out + n] = to_bf16(sum16(acc) + (bias ? bias[n] : 0.0f));
+            acc += *(const vec16 *)(xf + (int64_t)m * in + k) * load(w, (int64_t)n * in + k, 1);
+        y[(int64_t)m * out + n] = to_bf16(sum_lanes(acc) + (bias ? bias[n] : 0.0f));
     }
 }
 

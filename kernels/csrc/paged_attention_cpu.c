@@ -1,7 +1,8 @@
 /*
  * Paged decode attention for the CPU: each sequence's single query token attends to its context
  * by reading the KV blocks where they lie in the cache (no gather copy). The cache is float32 or
- * bfloat16; the query, scores, softmax and output are float32 either way. A bfloat16 element is
+ * bfloat16; so are the query and the output, independently of the cache (`io_bf16`); the scores,
+ * softmax and sums are float32 in every case, the output rounded once. A bfloat16 element is
  * the top half of a float32, so widening 16 of them is a zero-extend and a shift (two AVX-512F
  * instructions, no AVX-512 BF16 needed), and the cache read, the bandwidth that bounds decode
  * attention, is halved.
@@ -20,8 +21,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec16.h"
+
 typedef struct {
-    const float *query;        /* [num_seqs, num_heads, head_dim], contiguous */
+    const void *query;         /* [num_seqs, num_heads, head_dim], contiguous */
     const void *key_cache;     /* one layer's keys (float32 or bfloat16), strides below */
     const void *value_cache;   /* same dtype and strides as key_cache */
     int64_t block_stride, token_stride, head_stride; /* in elements; head_dim is contiguous */
@@ -31,28 +34,11 @@ typedef struct {
     int32_t max_context_len;     /* context lengths are clamped to this */
     int32_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
     float scale;
-    float *out; /* [num_seqs, num_heads, head_dim] */
+    void *out; /* [num_seqs, num_heads, head_dim], the query's dtype */
+    int32_t io_bf16; /* query and out are bfloat16 (else float32) */
 } Job;
 
-/* 16 floats that the compiler keeps in registers (one AVX-512 register, two AVX2 ones, or
- * four NEON ones): GCC/Clang vector extensions, portable across CPUs. */
-typedef float vec16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t bf16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-#define LANES 16
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
-
-/* 16 cache elements from `base` + `index` elements, widened to float32 for a bfloat16 cache.
- * `bf16` is a constant in each caller (see attend_one), so each kernel has one branch-free path. */
-static inline __attribute__((always_inline)) vec16 load16(const void *base, int64_t index,
-                                                           int bf16) {
-    if (!bf16) return *(const vec16 *)((const float *)base + index);
-    const bf16x16 half = *(const bf16x16 *)((const uint16_t *)base + index);
-    const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
-    vec16 out;
-    memcpy(&out, &bits, sizeof out); /* a register move, not a copy */
-    return out;
-}
 
 static inline const void *at(const void *base, int64_t index, int bf16) {
     return bf16 ? (const void *)((const uint16_t *)base + index)
@@ -66,23 +52,65 @@ static inline void prefetch_rows(const void *start, int64_t bytes) {
         __builtin_prefetch((const char *)start + offset, 0, 3);
 }
 
-static inline float sum_lanes(vec16 x) {
-    float total = 0.0f;
-    for (int i = 0; i < LANES; i++) total += x[i];
-    return total;
+/* Softmax of `row` [len] in place: float32, with the max subtracted first. */
+static inline void softmax(float *row, int64_t len) {
+    vec16 top = (vec16){0} - INFINITY;
+    int64_t t = 0;
+    for (; t + LANES <= len; t += LANES) {
+        const vec16 v = load(row, t, 0);
+        top = blend(top, v, v > top);
+    }
+    float maximum = -INFINITY;
+    for (int i = 0; i < LANES; i++) maximum = top[i] > maximum ? top[i] : maximum;
+    for (int64_t u = t; u < len; u++) maximum = row[u] > maximum ? row[u] : maximum;
+    vec16 sums = {0};
+    for (t = 0; t + LANES <= len; t += LANES) {
+        const vec16 e = exp16(load(row, t, 0) - maximum);
+        store(row, t, e, 0);
+        sums += e;
+    }
+    float sum = sum_lanes(sums);
+    if (t < len) { /* the tail, through a full vector */
+        vec16 tail = {0};
+        memcpy(&tail, row + t, sizeof(float) * (size_t)(len - t));
+        const vec16 e = exp16(tail - maximum);
+        for (int64_t u = t; u < len; u++) sum += row[u] = e[u - t];
+    }
+    const float inverse = 1.0f / sum;
+    for (t = 0; t + LANES <= len; t += LANES) store(row, t, load(row, t, 0) * inverse, 0);
+    for (; t < len; t++) row[t] *= inverse;
 }
 
-/* Scores for `group` query heads over `len` tokens go to `scores[g * len + t]`. Always inlined
- * into the two kernels below with `bf16` a constant. */
+/* `count` rows of `chunks` x 16 elements from `index`, `token_stride` apart, as float32: the
+ * cache's own rows for float32, else widened into `scratch` (so that every head of a GQA group
+ * reads them without widening them again). `*stride` gets the returned rows' stride. */
+ALWAYS_INLINE const float *rows16(const void *cache, int64_t index, int64_t token_stride,
+                                  int64_t count, int64_t chunks, float *scratch, int64_t *stride,
+                                  int bf16) {
+    if (!bf16) {
+        *stride = token_stride;
+        return (const float *)cache + index;
+    }
+    *stride = chunks * LANES;
+    for (int64_t r = 0; r < count; r++)
+        for (int64_t c = 0; c < chunks; c++)
+            store(scratch, r * chunks * LANES + c * LANES,
+                  load(cache, index + r * token_stride + c * LANES, 1), 0);
+    return scratch;
+}
+
+/* Scores for `group` query heads over `len` tokens go to `scores[g * len + t]`; `q` and `out` are
+ * float32 buffers of the group's query and output rows. Always inlined, with `bf16` and `chunks`
+ * (head_dim / 16) constants: with a constant trip count the accumulators stay in registers (a
+ * runtime count kept them in memory, every add waiting on the store before it: 3x slower). */
 static inline __attribute__((always_inline)) void attend_one(const Job *job, int64_t seq,
                                                              int64_t kv_head, float *scores,
-                                                             int bf16) {
-    const int64_t group = job->num_heads / job->num_kv_heads, dim = job->head_dim;
-    const int64_t chunks = dim / LANES, bs = job->block_size;
+                                                             const float *q, float *out,
+                                                             int bf16, int64_t chunks) {
+    const int64_t group = job->num_heads / job->num_kv_heads, dim = chunks * LANES;
+    const int64_t bs = job->block_size;
     int64_t len = job->context_lens[seq];
     if (len > job->max_context_len) len = job->max_context_len;
-    const float *q = job->query + (seq * job->num_heads + kv_head * group) * dim;
-    float *out = job->out + (seq * job->num_heads + kv_head * group) * dim;
     const int32_t *table = job->block_tables + seq * job->max_blocks;
     const int64_t head_offset = kv_head * job->head_stride;
     const int64_t element = bf16 ? 2 : 4;
@@ -90,7 +118,9 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
     memset(out, 0, sizeof(float) * group * dim);
     if (len <= 0) return;
 
-    /* Pass 1: scaled dot products, block by block (a block's rows for one head lie together). */
+    /* Pass 1: scaled dot products, block by block (a block's rows for one head lie together),
+     * sixteen keys at a time so that their sixteen horizontal sums share one shuffle tree. */
+    float widened[LANES * MAX_CHUNKS * LANES]; /* 16 rows of a bfloat16 cache, widened once */
     for (int64_t start = 0; start < len; start += bs) {
         const int64_t block = table[start / bs] * job->block_stride + head_offset;
         const int64_t rows = len - start < bs ? len - start : bs;
@@ -98,66 +128,102 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
             prefetch_rows(at(job->key_cache,
                              table[start / bs + 1] * job->block_stride + head_offset, bf16),
                           row_bytes);
-        for (int64_t r = 0; r < rows; r++) {
-            const int64_t row = block + r * job->token_stride;
-            vec16 k[MAX_CHUNKS];
-            for (int64_t c = 0; c < chunks; c++) k[c] = load16(job->key_cache, row + c * LANES, bf16);
+        for (int64_t first = 0; first < rows; first += LANES) {
+            const int64_t count = rows - first < LANES ? rows - first : LANES;
+            int64_t stride;
+            const float *keys = rows16(job->key_cache, block + first * job->token_stride,
+                                       job->token_stride, count, chunks, widened, &stride, bf16);
             for (int64_t g = 0; g < group; g++) {
                 const vec16 *qg = (const vec16 *)(q + g * dim);
-                vec16 acc = qg[0] * k[0];
-                for (int64_t c = 1; c < chunks; c++) acc += qg[c] * k[c];
-                scores[g * len + start + r] = sum_lanes(acc) * job->scale;
+                vec16 acc[LANES];
+                for (int64_t r = 0; r < LANES; r++) {
+                    acc[r] = (vec16){0};
+                    if (r >= count) continue;
+                    for (int64_t c = 0; c < chunks; c++)
+                        acc[r] += qg[c] * load(keys, r * stride + c * LANES, 0);
+                }
+                const vec16 dots = sum_lanes16(acc) * job->scale;
+                memcpy(scores + g * len + start + first, &dots, sizeof(float) * (size_t)count);
             }
         }
     }
 
-    /* Softmax weights, one query head at a time over its contiguous row of scores. */
-    for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * len;
-        float maximum = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < len; t++) maximum = row[t] > maximum ? row[t] : maximum;
-        for (int64_t t = 0; t < len; t++) {
-            row[t] = expf(row[t] - maximum);
-            sum += row[t];
-        }
-        const float inverse = 1.0f / sum;
-        for (int64_t t = 0; t < len; t++) row[t] *= inverse;
-    }
+    for (int64_t g = 0; g < group; g++) softmax(scores + g * len, len);
 
-    /* Pass 2: weighted sum of the values, one query head's output chunk held in a register
-     * while every value row streams past. */
-    for (int64_t g = 0; g < group; g++) {
-        const float *p = scores + g * len;
-        vec16 acc[MAX_CHUNKS];
-        for (int64_t c = 0; c < chunks; c++) acc[c] = (vec16){0};
-        for (int64_t start = 0; start < len; start += bs) {
-            const int64_t block = table[start / bs] * job->block_stride + head_offset;
-            const int64_t rows = len - start < bs ? len - start : bs;
-            if (g == 0 && start + bs < len)
-                prefetch_rows(at(job->value_cache,
-                                 table[start / bs + 1] * job->block_stride + head_offset, bf16),
-                              row_bytes);
-            for (int64_t r = 0; r < rows; r++) {
-                const int64_t row = block + r * job->token_stride;
-                const float weight = p[start + r];
-                for (int64_t c = 0; c < chunks; c++)
-                    acc[c] += weight * load16(job->value_cache, row + c * LANES, bf16);
+    /* Pass 2: weighted sum of the values, sixteen rows at a time (widened once for all the
+     * group's heads); each head's output row, in `out`, is held in registers over them. */
+    for (int64_t start = 0; start < len; start += bs) {
+        const int64_t block = table[start / bs] * job->block_stride + head_offset;
+        const int64_t rows = len - start < bs ? len - start : bs;
+        if (start + bs < len)
+            prefetch_rows(at(job->value_cache,
+                             table[start / bs + 1] * job->block_stride + head_offset, bf16),
+                          row_bytes);
+        for (int64_t first = 0; first < rows; first += LANES) {
+            const int64_t count = rows - first < LANES ? rows - first : LANES;
+            int64_t stride;
+            const float *values = rows16(job->value_cache, block + first * job->token_stride,
+                                         job->token_stride, count, chunks, widened, &stride, bf16);
+            for (int64_t g = 0; g < group; g++) {
+                const float *p = scores + g * len + start + first;
+                vec16 acc[MAX_CHUNKS];
+                for (int64_t c = 0; c < chunks; c++) acc[c] = load(out, g * dim + c * LANES, 0);
+                for (int64_t r = 0; r < count; r++)
+                    for (int64_t c = 0; c < chunks; c++)
+                        acc[c] += p[r] * load(values, r * stride + c * LANES, 0);
+                for (int64_t c = 0; c < chunks; c++) store(out, g * dim + c * LANES, acc[c], 0);
             }
         }
-        vec16 *og = (vec16 *)(out + g * dim);
-        for (int64_t c = 0; c < chunks; c++) og[c] = acc[c];
     }
 }
 
-static void attend_one_f32(const Job *job, int64_t seq, int64_t kv_head, float *scores) {
-    attend_one(job, seq, kv_head, scores, 0);
+/* head_dim 32, 64, 96 and 128 get a copy each; other multiples of 16 share a generic one. */
+#define BY_HEAD_DIM(BF16)                                                                      \
+    switch (job->head_dim / LANES) {                                                           \
+    case 2: attend_one(job, seq, kv_head, scores, q, out, BF16, 2); break;                     \
+    case 4: attend_one(job, seq, kv_head, scores, q, out, BF16, 4); break;                     \
+    case 6: attend_one(job, seq, kv_head, scores, q, out, BF16, 6); break;                     \
+    case 8: attend_one(job, seq, kv_head, scores, q, out, BF16, 8); break;                     \
+    default: attend_one(job, seq, kv_head, scores, q, out, BF16, job->head_dim / LANES);        \
+    }
+
+static void attend_one_f32(const Job *job, int64_t seq, int64_t kv_head, float *scores,
+                           const float *q, float *out) {
+    BY_HEAD_DIM(0)
 }
 
-static void attend_one_bf16(const Job *job, int64_t seq, int64_t kv_head, float *scores) {
-    attend_one(job, seq, kv_head, scores, 1);
+static void attend_one_bf16(const Job *job, int64_t seq, int64_t kv_head, float *scores,
+                            const float *q, float *out) {
+    BY_HEAD_DIM(1)
 }
 
-typedef void (*AttendFn)(const Job *, int64_t, int64_t, float *);
+typedef void (*AttendFn)(const Job *, int64_t, int64_t, float *, const float *, float *);
+
+/* One work item: the group's query rows widened to float32, attended, the output stored in the
+ * query's dtype. `buffer` holds the scores, then the float32 query and output rows. */
+static void attend_item(const Job *job, AttendFn attend, int64_t item, float *buffer,
+                        size_t scores_floats) {
+    const int64_t kv_heads = job->num_kv_heads, group = job->num_heads / kv_heads;
+    const int64_t seq = item / kv_heads, kv_head = item % kv_heads;
+    const int64_t first = (seq * job->num_heads + kv_head * group) * job->head_dim;
+    const int64_t size = group * job->head_dim;
+    float *q = buffer + scores_floats, *out = q + size;
+    for (int64_t i = 0; i < size; i++) {
+        if (job->io_bf16) {
+            const uint32_t bits = (uint32_t)((const uint16_t *)job->query)[first + i] << 16;
+            memcpy(q + i, &bits, sizeof bits);
+        } else {
+            q[i] = ((const float *)job->query)[first + i];
+        }
+    }
+    attend(job, seq, kv_head, buffer, q, out);
+    for (int64_t i = 0; i < size; i++) {
+        if (job->io_bf16)
+            ((uint16_t *)job->out)[first + i] = to_bf16(out[i]);
+        else
+            ((float *)job->out)[first + i] = out[i];
+    }
+}
 
 /* Returns 0 on success, 1 on a bad argument, 2 if a thread could not allocate its scores. */
 static int run(const Job *job, AttendFn attend, int32_t num_threads) {
@@ -166,34 +232,38 @@ static int run(const Job *job, AttendFn attend, int32_t num_threads) {
         job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0 || num_threads <= 0)
         return 1;
     const int64_t kv_heads = job->num_kv_heads, items = (int64_t)job->num_seqs * kv_heads;
-    const size_t scores_size =
-        sizeof(float) * (size_t)(job->max_context_len > 0 ? job->max_context_len : 1) *
-        (size_t)(job->num_heads / kv_heads);
+    const size_t group = (size_t)(job->num_heads / kv_heads);
+    const size_t scores_floats = (size_t)(job->max_context_len > 0 ? job->max_context_len : 1) *
+                                 group;
+    /* scores, then the query and output rows; 64-byte multiples keep the rows aligned */
+    const size_t buffer_size =
+        sizeof(float) * (scores_floats + 2 * group * (size_t)job->head_dim) + 64;
     int failed = 0;
     /* Dynamic scheduling: sequences of different lengths are different amounts of work. */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        float *scores = malloc(scores_size);
-        if (scores == NULL) failed = 1;
+        const size_t padded = (scores_floats + 15) / 16 * 16;
+        float *buffer = aligned_alloc(64, (buffer_size + 64 * 2) / 64 * 64);
+        if (buffer == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
-            if (scores != NULL) attend(job, item / kv_heads, item % kv_heads, scores);
-        free(scores);
+            if (buffer != NULL) attend_item(job, attend, item, buffer, padded);
+        free(buffer);
     }
     return failed ? 2 : 0;
 }
 
 /* The exported kernels: the cache's dtype picks one; the arguments are the same. */
 #define DECODE_ARGS                                                                            \
-    const float *query, const void *key_cache, const void *value_cache, int64_t block_stride,  \
+    const void *query, const void *key_cache, const void *value_cache, int64_t block_stride,  \
         int64_t token_stride, int64_t head_stride, const int32_t *block_tables,                \
         int64_t max_blocks, const int32_t *context_lens, int32_t max_context_len,              \
         int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,           \
-        int32_t block_size, float scale, float *out, int32_t num_threads
+        int32_t block_size, float scale, void *out, int32_t io_bf16, int32_t num_threads
 #define JOB                                                                                    \
     {query, key_cache, value_cache, block_stride, token_stride, head_stride, block_tables,     \
      max_blocks, context_lens, max_context_len, num_seqs, num_heads, num_kv_heads, head_dim,   \
-     block_size, scale, out}
+     block_size, scale, out, io_bf16}
 
 int paged_attention_decode_f32(DECODE_ARGS) {
     const Job job = JOB;

@@ -120,6 +120,25 @@ def test_write_kv_skips_negative_slots() -> None:
     assert torch.equal(kv, expected)
 
 
+def test_rotary_write_kv_uses_the_triton_write() -> None:
+    """The layer glue is the reference's PyTorch ops on the GPU; rotary's KV write is Triton's."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, num_tokens = 4, 2, 16, 5
+    kv = make_kv(3, num_kv_heads, head_dim, torch.float32)
+    expected = kv.clone()
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
+    angles = torch.rand(num_tokens, 1, head_dim, device=DEVICE)
+    rotary = (angles.cos(), angles.sin())
+    slots = torch.tensor([0, 5, 17, 33, 40], device=DEVICE)
+    args = (qkv, rotary)
+    query = kernels.rotary_write_kv(
+        *args, *layer_caches(kv), slots, num_heads, num_kv_heads, backend="triton"
+    )
+    want = reference.rotary_write_kv(*args, *layer_caches(expected), slots, num_heads, num_kv_heads)
+    assert torch.equal(query, want)
+    assert torch.equal(kv, expected)
+
+
 # --------------------------------------------------------------------------------------------
 # Decode
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+/*
+ * Sixteen float32 lanes, shared by the CPU kernels: GCC/Clang vector extensions, which the compiler
+ * keeps in one AVX-512 register (two AVX2 ones, four NEON ones), so the kernels stay portable C.
+ *
+ * A bfloat16 is the top half of a float32: widening 16 of them is a zero-extend and a shift (two
+ * AVX-512F instructions, no AVX-512 BF16 needed); narrowing rounds to nearest even, as PyTorch's
+ * and oneDNN's bfloat16 conversions do. `bf16` arguments are 0 or 1 and constant in each caller,
+ * which is always inlined, so each kernel compiles to one branch-free path per dtype.
+ */
+#ifndef PDSERVE_VEC16_H
+#define PDSERVE_VEC16_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float vec16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t bf16x16 __attribute__((vector_size(32), aligned(2)));
+#define LANES 16
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+ALWAYS_INLINE vec16 as_float(u32x16 bits) {
+    vec16 out;
+    memcpy(&out, &bits, sizeof out); /* a register move, not a copy */
+    return out;
+}
+
+ALWAYS_INLINE u32x16 as_bits(vec16 value) {
+    u32x16 out;
+    memcpy(&out, &value, sizeof out);
+    return out;
+}
+
+/* 16 elements of a float32 or bfloat16 array from `index`, as float32. */
+ALWAYS_INLINE vec16 load(const void *base, int64_t index, int bf16) {
+    if (!bf16) return *(const vec16 *)((const float *)base + index);
+    const bf16x16 half = *(const bf16x16 *)((const uint16_t *)base + index);
+    return as_float(__builtin_convertvector(half, u32x16) << 16);
+}
+
+/* Bits of float32 `value` rounded to bfloat16 (nearest even; NaN stays a quiet NaN), low half 0. */
+ALWAYS_INLINE u32x16 bf16_bits(vec16 value) {
+    const u32x16 bits = as_bits(value);
+    const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    const u32x16 is_nan = (u32x16)((bits & 0x7fffffffu) > 0x7f800000u);
+    return (rounded & ~is_nan) | ((bits | 0x400000u) & 0xffff0000u & is_nan);
+}
+
+/* `value` as the dtype stores it: rounded to bfloat16's precision, or unchanged in float32. */
+ALWAYS_INLINE vec16 round_to(vec16 value, int bf16) {
+    return bf16 ? as_float(bf16_bits(value)) : value;
+}
+
+/* Stores 16 lanes at `index`, rounded to bfloat16 for a bfloat16 array. */
+ALWAYS_INLINE void store(void *base, int64_t index, vec16 value, int bf16) {
+    if (!bf16) {
+        *(vec16 *)((float *)base + index) = value;
+        return;
+    }
+    *(bf16x16 *)((uint16_t *)base + index) =
+        __builtin_convertvector(bf16_bits(value) >> 16, bf16x16);
+}
+
+/* One float32 -> bfloat16, rounding to nearest even (NaN stays NaN). */
+ALWAYS_INLINE uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+ALWAYS_INLINE float sum_lanes(vec16 x) {
+    float total = 0.0f;
+    for (int i = 0; i < LANES; i++) total += x[i];
+    return total;
+}
+
+/* Lane i of the result is the sum of the lanes of v[i]: sixteen horizontal sums in 15 shuffle-add
+ * pairs (a transposing tree) instead of 16 x 15 dependent scalar adds. */
+ALWAYS_INLINE vec16 sum_lanes16(const vec16 v[LANES]) {
+    vec16 halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) /* [v(2i) lanes 0-7 + 8-15 | v(2i+1) the same] */
+        halves[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
+                                            17, 18, 19, 20, 21, 22, 23) +
+                    __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                                            24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++) /* four partial sums each of v(4i) .. v(4i+3) */
+        quarters[i] = __builtin_shufflevector(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9,
+                                              10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                      __builtin_shufflevector(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12,
+                                              13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++) /* two partial sums each of v(8i) .. v(8i+7) */
+        eighths[i] = __builtin_shufflevector(quarters[2 * i], quarters[2 * i + 1], 0, 1, 4, 5, 8,
+                                             9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                     __builtin_shufflevector(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10,
+                                             11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+                                   22, 24, 26, 28, 30) +
+           __builtin_shufflevector(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+                                   23, 25, 27, 29, 31);
+}
+
+/* Lanes of `low` where `mask` is 0, of `high` where it is all ones. */
+ALWAYS_INLINE vec16 blend(vec16 low, vec16 high, i32x16 mask) {
+    const u32x16 m = (u32x16)mask;
+    return as_float((as_bits(low) & ~m) | (as_bits(high) & m));
+}
+
+/* e^x in float32 to about 1 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial of
+ * degree 7 (error below 1e-8 there), times 2^n built in the exponent bits. x is clamped to where
+ * 2^n is a normal float: e^x saturates near 3.4e38 and 1.2e-38 instead of reaching inf and 0;
+ * -inf gives 1.2e-38 (callers that need an exact 0 there mask it). */
+ALWAYS_INLINE vec16 exp16(vec16 x) {
+    const vec16 high = (vec16){0} + 88.3762626647949f, low = (vec16){0} - 87.3365447504f;
+    x = blend(x, high, x > high);
+    x = blend(x, low, x < low);
+    const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
+    const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 in two parts */
+    vec16 p = r * (1.0f / 5040) + (1.0f / 720);
+    p = p * r + (1.0f / 120);
+    p = p * r + (1.0f / 24);
+    p = p * r + (1.0f / 6);
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
+    vec16 scale;
+    memcpy(&scale, &exponent, sizeof scale);
+    return p * scale;
+}
+
+#endif
