@@ -188,7 +188,9 @@ class LLMEngine:
                 rows += [row] * len(children)
         if not seqs:
             return []
-        return self._process(seqs, self.sampler(logits[rows], seqs))
+        if len(rows) > len(logits):  # forks share their parent's row (a copy of the logits)
+            logits = logits[rows]
+        return self._process(seqs, self.sampler(logits, seqs))
 
     def _process(self, seqs: list[Sequence], sampled: SampleResult) -> list[RequestOutput]:
         """Append each sequence's token (sampled, or forced: the prefill worker's), apply the
