@@ -7,6 +7,9 @@
    (``[blocks, layers, 2, kv_heads, block, head_dim]``, shuffled blocks, about 1 GiB so it lives
    in DRAM as in a server) for B sequences of context C: the PyTorch reference (gather +
    per-block matmuls) vs the compiled kernel (``kernels.cpu_ops``, blocks read in place).
+3. The layer glue of one step, all 30 layers, for T tokens: the two residual adds with their
+   RMSNorms, rotary with the KV write, SiLU-and-multiply; PyTorch's operators
+   (``kernels.reference``) vs the fused compiled calls (``kernels/csrc/layer_ops_cpu.c``).
 
 Medians of --repeats timed runs after one warm-up, with --threads torch threads.
 
@@ -23,6 +26,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +116,42 @@ def attention_rows(
     return results
 
 
+def _glue_step(ops: Any, x, delta, weight, qkv, rotary, caches, slots, gate_up) -> None:  # type: ignore[no-untyped-def]
+    """One step's layer glue through ``ops`` (``kernels.reference`` or the compiled kernels)."""
+    for _ in range(LAYERS):
+        ops.add_rms_norm(x, delta, weight, 1e-5)
+        ops.rotary_write_kv(qkv, rotary, *caches, slots, NUM_HEADS, NUM_KV_HEADS)
+        ops.add_rms_norm(x, delta, weight, 1e-5)
+        ops.silu_mul(gate_up)
+
+
+def glue_rows(
+    kernel: cpu_ops.CpuKernels, token_counts: list[int], repeats: int, dtype: torch.dtype
+) -> list[tuple[int, float, float]]:
+    """(T, reference ms, compiled ms) for one step's layer glue (all layers), T tokens."""
+    results = []
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    for tokens in tqdm(token_counts, desc="glue", unit="T", file=sys.stderr):
+        blocks = -(-tokens // BLOCK_SIZE)
+        kv = torch.zeros(blocks, 2, NUM_KV_HEADS, BLOCK_SIZE, HEAD_DIM, dtype=dtype)
+        caches = (kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2))
+        slots = torch.arange(tokens)
+        angles = torch.rand(tokens, 1, HEAD_DIM)
+        rotary = (angles.cos().to(dtype), angles.sin().to(dtype))
+        x, delta = (
+            torch.randn(tokens, HIDDEN, dtype=dtype),
+            torch.randn(tokens, HIDDEN, dtype=dtype),
+        )
+        weight = torch.ones(HIDDEN, dtype=dtype)
+        qkv = torch.randn(tokens, width, dtype=dtype)
+        gate_up = torch.randn(tokens, 2 * INTERMEDIATE, dtype=dtype)
+
+        args = (x, delta, weight, qkv, rotary, caches, slots, gate_up)
+        ref = median_ms(partial(_glue_step, reference, *args), repeats)
+        results.append((tokens, ref, median_ms(partial(_glue_step, kernel, *args), repeats)))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,3,4,8,16,32,64", help="GEMM row counts M")
@@ -122,7 +162,8 @@ def main() -> int:
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="attention's cache"
     )
-    parser.add_argument("--no-gemm", action="store_true", help="decode attention only")
+    parser.add_argument("--no-gemm", action="store_true", help="no GEMMs")
+    parser.add_argument("--glue-tokens", default="1,64,512", help="layer glue token counts T")
     # The engine's own settings that place and build the kernel: --cache-dir, --cpu-kernels-cc.
     others = [name for name, *_ in settings_of(EngineConfig, nested=False)]
     skip = tuple(name for name in others if name not in ("cache_dir", "cpu_kernels_cc"))
@@ -161,6 +202,15 @@ def main() -> int:
     for b, c, ref_ms, kernel_ms, diff in rows:
         speedup = ref_ms / kernel_ms
         print(f"{b:>4} {c:>6} {ref_ms:>13.1f} {kernel_ms:>10.1f} {speedup:>7.2f}x {diff:>11.1e}")
+
+    print(
+        f"\nlayer glue: one step = {LAYERS} layers x (2 residual adds + RMSNorms, rotary + KV "
+        f"write, SiLU-mul), T tokens, {args.dtype}"
+    )
+    print(f"{'T':>4} {'PyTorch ops ms':>15} {'compiled ms':>12} {'speedup':>8}")
+    with torch.inference_mode():
+        for t, ref_ms, kernel_ms in glue_rows(kernel, ints(args.glue_tokens), args.repeats, dtype):
+            print(f"{t:>4} {ref_ms:>15.2f} {kernel_ms:>12.2f} {ref_ms / kernel_ms:>7.2f}x")
     return 0
 
 

@@ -9,7 +9,7 @@
  * round: in bfloat16 each elementwise result is rounded to bfloat16 (to nearest even) before the
  * next operation reads it, as PyTorch's bfloat16 kernels do, so rotary and the KV write are
  * bit-identical to the reference in both dtypes. RMSNorm's sum of squares and SiLU's exp differ
- * from PyTorch's in the last bit of a float32 (order of the sum; the exp polynomial).
+ * from PyTorch's in the last bits of a float32 (order of the sum; the exp polynomial).
  *
  * Tensors are float32 or bfloat16 (`bf16`: 0 or 1, the same for all of a call's tensors), rows
  * contiguous, sizes multiples of 16 (the Python side checks; it falls back to the reference). Rows
