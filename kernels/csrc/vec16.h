@@ -78,28 +78,36 @@ ALWAYS_INLINE float sum_lanes(vec16 x) {
     return total;
 }
 
+/* Two-vector shuffles: clang and GCC 12+ spell them __builtin_shufflevector, older GCC only has
+ * __builtin_shuffle (a mask vector). Same lanes either way. */
+#if defined(__clang__) || (__GNUC__ >= 12 && !defined(PDSERVE_GCC_SHUFFLE))
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i32x16){__VA_ARGS__})
+#endif
+
 /* Lane i of the result is the sum of the lanes of v[i]: sixteen horizontal sums in 15 shuffle-add
  * pairs (a transposing tree) instead of 16 x 15 dependent scalar adds. */
 ALWAYS_INLINE vec16 sum_lanes16(const vec16 v[LANES]) {
     vec16 halves[8], quarters[4], eighths[2];
     for (int i = 0; i < 8; i++) /* [v(2i) lanes 0-7 + 8-15 | v(2i+1) the same] */
-        halves[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
+        halves[i] = SHUFFLE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16,
                                             17, 18, 19, 20, 21, 22, 23) +
-                    __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
+                    SHUFFLE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15,
                                             24, 25, 26, 27, 28, 29, 30, 31);
     for (int i = 0; i < 4; i++) /* four partial sums each of v(4i) .. v(4i+3) */
-        quarters[i] = __builtin_shufflevector(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9,
+        quarters[i] = SHUFFLE(halves[2 * i], halves[2 * i + 1], 0, 1, 2, 3, 8, 9,
                                               10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                      __builtin_shufflevector(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12,
+                      SHUFFLE(halves[2 * i], halves[2 * i + 1], 4, 5, 6, 7, 12,
                                               13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
     for (int i = 0; i < 2; i++) /* two partial sums each of v(8i) .. v(8i+7) */
-        eighths[i] = __builtin_shufflevector(quarters[2 * i], quarters[2 * i + 1], 0, 1, 4, 5, 8,
+        eighths[i] = SHUFFLE(quarters[2 * i], quarters[2 * i + 1], 0, 1, 4, 5, 8,
                                              9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-                     __builtin_shufflevector(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10,
+                     SHUFFLE(quarters[2 * i], quarters[2 * i + 1], 2, 3, 6, 7, 10,
                                              11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return __builtin_shufflevector(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
+    return SHUFFLE(eighths[0], eighths[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20,
                                    22, 24, 26, 28, 30) +
-           __builtin_shufflevector(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
+           SHUFFLE(eighths[0], eighths[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
                                    23, 25, 27, 29, 31);
 }
 
