@@ -88,15 +88,15 @@ def test_converted_weights_equal_transformers_gguf_weights(llm, hf_model):
 
 
 # -- bfloat16 -------------------------------------------------------------------------------------
-# Both sides compute in bfloat16, but not the same way (oneDNN or PyTorch GEMMs and their
-# accumulation order, our float32 attention math and softmax, where each rounds to bfloat16), so
-# their logits differ by bfloat16 rounding. Greedy decoding follows the same tokens until two
-# candidates are within that rounding of each other; from there the texts part. On this small
-# model that happens early: transformers' own bfloat16 parts from its float32 run within 32
-# tokens on most of the 8 prompts, and so does ours, from either (docs/benchmarks.md, "bfloat16
-# parity", has the counts). So the test asserts what must hold on any machine:
-# every parting happens at a near tie of the float32 model, and our bfloat16 run stays as close
-# to the float32 model as transformers' bfloat16 run does (tokens before parting, summed).
+# Both sides compute in bfloat16, but not the same way (GEMM accumulation order, attention math),
+# so their logits differ by bfloat16 rounding. Greedy decoding follows the same tokens until two
+# candidates are within that rounding of each other; from there the texts part for good. On this
+# small model that happens often within 32 tokens, for transformers against itself too (its sdpa
+# and eager attention: 42% of 64 prompts equal for 32 tokens; pdserve against transformers, 34%;
+# benchmarks/bf16_parity.py and docs/benchmarks.md, "bfloat16 parity"). So the tests assert what
+# must hold on any machine: every parting is at a near tie of the float32 model, our bfloat16 run
+# stays as close to the float32 model as transformers' bfloat16 run does (tokens before parting,
+# summed), and transformers makes nearly all of our single greedy choices on our own text.
 NEAR_TIE_LOGITS = 0.5  # the float32 model's margin between the two tokens where they part
 AS_FAITHFUL = 0.6  # ours' tokens agreeing with float32, at least this share of transformers'
 
@@ -106,18 +106,27 @@ def tokens_before_parting(a: list[int], b: list[int]) -> int:
 
 
 @pytest.fixture(scope="module")
-def bf16_outputs(hf_model):  # type: ignore[no-untyped-def]
+def hf_bf16_model(hf_model):  # type: ignore[no-untyped-def]
+    return copy.deepcopy(hf_model[1]).to(torch.bfloat16)  # the float32 model stays as it is
+
+
+@pytest.fixture(scope="module")
+def bf16_outputs(hf_model, hf_bf16_model):  # type: ignore[no-untyped-def]
     """(prompt ids, transformers' bfloat16 greedy tokens, ours in bfloat16) per prompt."""
     from pdserve import LLM
 
-    tokenizer, model = hf_model
-    hf16 = copy.deepcopy(model).to(torch.bfloat16)  # the float32 model stays as it is
-    theirs = hf_greedy(tokenizer, hf16)
-    del hf16
+    theirs = hf_greedy(hf_model[0], hf_bf16_model)
     llm = LLM(dtype="bfloat16", num_blocks=256, num_threads=2)
     ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
     assert_no_leaks(llm.engine)
     return [(ids, hf, mine) for (ids, hf), mine in zip(theirs, ours)]
+
+
+def next_token_logits(model, ids: list[int], continuation: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """``model``'s logits for each token of ``continuation``, given ``ids`` and the tokens of
+    ``continuation`` before it (one forward pass)."""
+    with torch.inference_mode():
+        return model(torch.tensor([ids + continuation])).logits[0, len(ids) - 1 : -1].float()
 
 
 def test_bfloat16_greedy_parts_from_transformers_only_at_near_ties(
@@ -130,8 +139,7 @@ def test_bfloat16_greedy_parts_from_transformers_only_at_near_ties(
         if at == NEW_TOKENS:
             equal += 1
             continue
-        with torch.inference_mode():
-            logits = model(torch.tensor([ids + hf_tokens[:at]])).logits[0, -1].float()
+        logits = next_token_logits(model, ids, hf_tokens[: at + 1])[at]
         margin = abs(float(logits[hf_tokens[at]] - logits[our_tokens[at]]))
         print(f"bf16 parts from transformers at token {at} of {prompt!r}: margin {margin:.3f}")
         assert margin < NEAR_TIE_LOGITS, (prompt, at, margin)
@@ -142,3 +150,26 @@ def test_bfloat16_greedy_parts_from_transformers_only_at_near_ties(
     print(f"bf16: {equal}/{len(PROMPTS)} prompts equal to transformers' bf16 for {NEW_TOKENS}")
     print(f"tokens before parting from float32: ours {ours}, transformers' bf16 {theirs}")
     assert ours >= AS_FAITHFUL * theirs
+
+
+# Free-running texts part for good at their first near tie, so the test above counts whole texts.
+# Here transformers judges each of our greedy choices on our own text: how many single choices
+# differ, without the compounding (benchmarks/bf16_parity.py measures both on 64 prompts).
+AGREEING_CHOICES = 0.9  # measured: 0.98 on 64 prompts; transformers with itself, 0.97
+
+
+def test_bfloat16_greedy_choices_agree_with_transformers_on_the_same_text(
+    hf_model, hf_bf16_model, bf16_outputs
+):  # type: ignore[no-untyped-def]
+    _, model = hf_model
+    positions, disagreements = 0, []
+    for ids, _, our_tokens in bf16_outputs:
+        theirs = next_token_logits(hf_bf16_model, ids, our_tokens).argmax(-1).tolist()
+        positions += len(our_tokens)
+        differ = [i for i, (a, b) in enumerate(zip(our_tokens, theirs)) if a != b]
+        if differ:
+            f32 = next_token_logits(model, ids, our_tokens)
+            disagreements += [float(f32[i, our_tokens[i]] - f32[i, theirs[i]]) for i in differ]
+    print(f"bf16 greedy choices: {positions - len(disagreements)}/{positions} agree")
+    assert positions - len(disagreements) >= AGREEING_CHOICES * positions
+    assert all(abs(margin) < NEAR_TIE_LOGITS for margin in disagreements), disagreements
