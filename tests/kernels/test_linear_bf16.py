@@ -74,11 +74,14 @@ def test_matmul_dtype_widens_half_precision_only_without_native_dot_products(mon
         matmul_dtype(torch.bfloat16, "fast")
 
 
-@pytest.mark.parametrize("rows", [1, 4, 64])  # 1, 4: the kernel; 64: the widened oneDNN GEMM
-def test_widened_packed_linear_matches_float32_math(kernel: cpu_ops.CpuKernels, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 4, 64])  # 1, 4: the kernel; 64: the oneDNN GEMM
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])  # widened, or native
+def test_packed_bf16_linear_matches_float32_math(
+    kernel: cpu_ops.CpuKernels, rows: int, compute: torch.dtype
+) -> None:
     torch.manual_seed(rows)
     linear = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
-    packed = PackedLinear(linear, torch.float32, kernel.linear_bf16)
+    packed = PackedLinear(linear, compute, kernel.linear_bf16)
     calls: list[int] = []
     packed.small_batch = lambda x, w, b: calls.append(len(x)) or kernel.linear_bf16(x, w, b)
     x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -98,7 +101,10 @@ def test_pack_linears_keeps_a_tied_weight_shared(kernel: cpu_ops.CpuKernels) -> 
     packed = model["head"]
     assert isinstance(packed, PackedLinear) and packed.compute_dtype == torch.float32
     assert packed.weight.data_ptr() == embedding.weight.data_ptr()  # no bf16 copy
-    for dtype in (torch.float32, torch.float16):  # float32: not widened; float16: no kernel
+    for dtype in (torch.float32, torch.float16):  # the kernel reads bfloat16 weights only
         other = nn.ModuleDict({"head": nn.Linear(32, 64).to(dtype)})
         pack_linears(other, "float32", kernel.linear_bf16)
         assert other["head"].small_batch is None and other["head"].weight is None
+    native = nn.ModuleDict({"head": nn.Linear(32, 64).to(torch.bfloat16)})
+    pack_linears(native, "native", kernel.linear_bf16)  # bfloat16 GEMMs: the kernel still reads
+    assert native["head"].compute_dtype == torch.bfloat16 and native["head"].small_batch

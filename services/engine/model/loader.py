@@ -47,7 +47,7 @@ def load_model(
 ) -> LlamaModel:
     """Build the model from ``model_dir`` and load its weights; on CPU its linear layers are
     packed for oneDNN, computing in the dtype ``cpu_matmul`` picks (``matmul_dtype``), with
-    ``small_batch`` for a few rows where that widens the weights (``PackedLinear``)."""
+    ``small_batch`` for a few rows of bfloat16 weights (``PackedLinear``)."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config)
