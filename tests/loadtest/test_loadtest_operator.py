@@ -103,12 +103,17 @@ def test_a_second_sigint_exits_at_once(server, tmp_path) -> None:  # type: ignor
     proc = start(args, tmp_path)
     wait_for_requests(proc, 1.0)
     proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)  # the first is being handled: cancelling, summing up, plotting
+    assert proc.stderr is not None
+    first = ""  # wait until the first is being handled (cancelling, summing up, plotting)
+    while "interrupted: stopping" not in first:
+        line = proc.stderr.readline()
+        assert line, f"exited before the second Ctrl-C: {first!r}"
+        first += line
     proc.send_signal(signal.SIGINT)
     began = time.monotonic()
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and time.monotonic() - began < 5
-    assert "Traceback" not in err and "interrupted again" in err
+    assert "Traceback" not in err and "interrupted again" in err, first + err
 
 
 def test_mistakes_get_one_line(server, tmp_path) -> None:  # type: ignore[no-untyped-def]
