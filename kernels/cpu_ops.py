@@ -119,14 +119,22 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
 LINEAR_MAX_ROWS = 4  # rows of x linear_bf16 takes (MAX_ROWS in linear_bf16_cpu.c)
+INT32_MAX = 2**31 - 1
+BAD_INDEX = 3  # the kernels' status for a block id or slot outside the cache (nothing written)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether the compiled kernel takes these tensors (float32 or bfloat16 CPU caches of one
-    dtype sharing strides, head_dim a multiple of 16 up to 256)."""
+    dtype, shape and strides, matching the query's head_dim, a multiple of 16 up to 256)."""
+    if query.dim() != 3 or key_cache.dim() != 4:
+        return False
     num_heads, num_kv_heads, head_dim = query.shape[1], key_cache.shape[2], query.shape[2]
     return (
         query.is_cpu
+        and key_cache.is_cpu
+        and value_cache.is_cpu
+        and key_cache.shape == value_cache.shape
+        and key_cache.shape[3] == head_dim
         and key_cache.dtype == value_cache.dtype
         and key_cache.dtype in CACHE_DTYPES
         and key_cache.stride() == value_cache.stride()
@@ -153,10 +161,9 @@ class CpuKernels:
         for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
             fn = getattr(lib, f"paged_attention_decode_{name}")
             fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i32, i32, i32, i32, i32]
-            fn.argtypes += [i32, ctypes.c_float, ptr, i32, i32]
+            fn.argtypes += [i32, ctypes.c_float, ptr, i32, i64, i32]
             fn.restype = ctypes.c_int
             self._decode[dtype] = fn
-        self._checked: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None
         self._linear = lib.linear_bf16
         self._linear.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._linear.argtypes += [ctypes.c_int]
@@ -165,36 +172,14 @@ class CpuKernels:
         self._norm = lib.add_rms_norm
         self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32, i32]
         self._rotary = lib.rotary_write_kv
-        self._rotary.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, *i64s, ptr, *i64s, i32, i32]
+        self._rotary.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, *i64s, i64, ptr, *i64s, i32, i32]
         self._silu_mul = lib.silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
         for fn in (self._norm, self._rotary, self._silu_mul):
             fn.restype = ctypes.c_int
-        self._slots_checked: tuple[torch.Tensor, int] | None = None
 
     def __repr__(self) -> str:
         return f"CpuKernels({str(self.path)!r})"
-
-    def _check_indices(
-        self,
-        tables: torch.Tensor,
-        lens: torch.Tensor,
-        max_len: int,
-        block_size: int,
-        num_blocks: int,
-    ) -> None:
-        """The C kernel trusts its indices: check them here rather than read out of bounds. All
-        layers of a step pass the same table and length tensors: those are checked once (the
-        last pair checked is held, so a new tensor can never reuse its identity)."""
-        last = self._checked
-        key = (max_len, block_size, num_blocks)
-        if last and last[0] is tables and last[1] is lens and last[2:] == key:
-            return
-        if len(lens) and int(lens.clamp(max=max_len).max()) > tables.shape[-1] * block_size:
-            raise ValueError("block_tables has fewer blocks than the context lengths need")
-        if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < num_blocks:
-            raise ValueError(f"block_tables holds a block id outside [0, {num_blocks})")
-        self._checked = (tables, lens, *key)
 
     def paged_attention_decode(
         self,
@@ -212,15 +197,24 @@ class CpuKernels:
                 query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len
             )
         num_seqs, num_heads, head_dim = query.shape
+        if (
+            block_tables.dim() != 2
+            or len(block_tables) != num_seqs
+            or context_lens.shape != (num_seqs,)
+        ):
+            raise ValueError(
+                f"need one block-table row and one context length per sequence ({num_seqs}), "
+                f"got tables {tuple(block_tables.shape)} and {tuple(context_lens.shape)} lengths"
+            )
         # The kernel reads and writes float32 or bfloat16 rows itself: no conversion copies.
         q = (query if query.dtype in CACHE_DTYPES else query.float()).contiguous()
-        tables = block_tables.to(torch.int32).contiguous()
-        lens = context_lens.to(torch.int32).contiguous()
+        tables = block_tables.to("cpu", torch.int32).contiguous()
+        lens = context_lens.to("cpu", torch.int32).contiguous()
         max_len = (
             int(lens.max()) if max_context_len is None and num_seqs else (max_context_len or 0)
         )
+        max_len = min(max_len, INT32_MAX)  # the lengths are int32: no more than that either
         block_size, num_blocks = key_cache.shape[1], key_cache.shape[0]
-        self._check_indices(tables, lens, max_len, block_size, num_blocks)
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype)
         block_stride, token_stride, head_stride, _ = key_cache.stride()
         status = self._decode[key_cache.dtype](
@@ -242,8 +236,14 @@ class CpuKernels:
             scale,
             out.data_ptr(),
             q.dtype == torch.bfloat16,
+            num_blocks,
             torch.get_num_threads(),
         )
+        if status == BAD_INDEX:
+            raise ValueError(
+                "block_tables has fewer blocks than the context lengths need, or a block id "
+                f"outside [0, {num_blocks})"
+            )
         if status != 0:
             raise RuntimeError(f"CPU paged attention kernel failed (status {status})")
         return out if out.dtype == query.dtype else out.to(query.dtype)
@@ -260,11 +260,21 @@ class CpuKernels:
         if (
             not 1 <= rows <= LINEAR_MAX_ROWS
             or in_features % LANES
+            or weight.shape != (out_features, in_features)
+            or out_features < 1
             or x.dtype != torch.bfloat16
             or weight.dtype != torch.bfloat16
-            or x.device.type != "cpu"
+            or not (x.is_cpu and weight.is_cpu)
             or not weight.is_contiguous()
-            or (bias is not None and bias.dtype != torch.float32)
+            or (
+                bias is not None
+                and (
+                    bias.dtype != torch.float32
+                    or bias.shape != (out_features,)
+                    or not bias.is_cpu
+                    or not bias.is_contiguous()
+                )
+            )
         ):
             return None
         x = x.contiguous()
@@ -325,6 +335,9 @@ class CpuKernels:
         if (
             not _glue_takes(qkv, cos, sin, key_cache, value_cache, contiguous=3)
             or qkv.dim() != 2
+            or key_cache.dim() != 4
+            or key_cache.shape[2:] != (num_kv_heads, head_dim)
+            or value_cache.shape != key_cache.shape
             or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim
             or cos.shape != (num_tokens, 1, head_dim)
             or sin.shape != cos.shape
@@ -333,12 +346,14 @@ class CpuKernels:
             or head_dim % (2 * LANES)
             or head_dim > MAX_HEAD_DIM
             or slot_mapping.dtype != torch.int64
+            or not slot_mapping.is_cpu
         ):
             return reference.rotary_write_kv(
                 qkv, rotary, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads
             )
         slots = slot_mapping.contiguous()
-        self._check_slots(slots, key_cache.shape[0] * key_cache.shape[1], num_tokens)
+        if slots.shape != (num_tokens,):
+            raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {num_tokens} tokens")
         query = qkv.new_empty(num_tokens, num_heads, head_dim)
         block_stride, token_stride, head_stride, _ = key_cache.stride()
         status = self._rotary(
@@ -352,6 +367,7 @@ class CpuKernels:
             token_stride,
             head_stride,
             key_cache.shape[1],
+            key_cache.shape[0],
             query.data_ptr(),
             num_tokens,
             num_heads,
@@ -360,6 +376,9 @@ class CpuKernels:
             qkv.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
+        if status == BAD_INDEX:
+            capacity = key_cache.shape[0] * key_cache.shape[1]
+            raise ValueError(f"slot_mapping holds a slot outside [0, {capacity})")
         _check_status(status, "rotary_write_kv")
         return query
 
@@ -380,18 +399,6 @@ class CpuKernels:
         _check_status(status, "silu_mul")
         return out
 
-    def _check_slots(self, slots: torch.Tensor, capacity: int, num_tokens: int) -> None:
-        """The C kernel writes where the slots say: check them once per slot tensor (all layers
-        of a step pass the same one)."""
-        if slots.shape != (num_tokens,):
-            raise ValueError(f"slot_mapping has {slots.shape[0]} slots for {num_tokens} tokens")
-        last = self._slots_checked
-        if last and last[0] is slots and last[1] == capacity:
-            return
-        if num_tokens and not 0 <= int(slots.min()) <= int(slots.max()) < capacity:
-            raise ValueError(f"slot_mapping holds a slot outside [0, {capacity})")
-        self._slots_checked = (slots, capacity)
-
 
 def _glue_takes(*tensors: torch.Tensor | None, contiguous: int = 99) -> bool:
     """Whether the compiled layer glue takes these tensors (None: absent): CPU, one dtype
@@ -399,7 +406,8 @@ def _glue_takes(*tensors: torch.Tensor | None, contiguous: int = 99) -> bool:
     first ``contiguous`` of them (a KV cache is a strided view of the engine's cache). Plain
     loops: at one token this check is a good part of the call's cost."""
     dtype = tensors[0].dtype  # type: ignore[union-attr]
-    if dtype not in CACHE_DTYPES or tensors[0].shape[-1] % LANES:  # type: ignore[union-attr]
+    last = tensors[0].shape[-1]  # type: ignore[union-attr]
+    if dtype not in CACHE_DTYPES or last == 0 or last % LANES:
         return False
     for index, tensor in enumerate(tensors):
         if tensor is None:

@@ -112,18 +112,21 @@ ALWAYS_INLINE void rotary_write_kv_token(const void *qkv, const void *cos, const
 }
 
 /* qkv [tokens, (num_heads + 2 num_kv_heads) * dim] (one GEMM's output: queries, keys, values);
- * cos, sin [tokens, dim]: each token's row of the rotary tables; slots [tokens] int64, each in
- * [0, blocks * block_size) (checked by the caller); caches [blocks, block_size, kv_heads, dim]
- * with the given element strides. Writes the rotated queries to query [tokens, num_heads, dim],
- * the rotated keys and the values to their slots. Returns 0, or 1 for sizes it does not take. */
+ * cos, sin [tokens, dim]: each token's row of the rotary tables; slots [tokens] int64; caches
+ * [num_blocks, block_size, kv_heads, dim] with the given element strides. Writes the rotated
+ * queries to query [tokens, num_heads, dim], the rotated keys and the values to their slots.
+ * Returns 0, 1 for sizes it does not take, 3 for a slot outside [0, num_blocks * block_size)
+ * (checked before anything is written). */
 int rotary_write_kv(const void *qkv, const void *cos, const void *sin, const int64_t *slots,
                     void *key_cache, void *value_cache, int64_t block_stride,
-                    int64_t token_stride, int64_t head_stride, int64_t block_size, void *query,
-                    int64_t tokens, int64_t num_heads, int64_t num_kv_heads, int64_t dim,
-                    int bf16, int num_threads) {
+                    int64_t token_stride, int64_t head_stride, int64_t block_size,
+                    int64_t num_blocks, void *query, int64_t tokens, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t dim, int bf16, int num_threads) {
     if (tokens < 0 || dim <= 0 || dim % (2 * LANES) || dim > MAX_HEAD_DIM || block_size <= 0 ||
         num_threads <= 0)
         return 1;
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_blocks * block_size) return 3;
     const int parallel = tokens * (num_heads + 2 * num_kv_heads) * dim >= PARALLEL_ELEMENTS;
 #pragma omp parallel for num_threads(num_threads) if (parallel)
     for (int64_t t = 0; t < tokens; t++) {

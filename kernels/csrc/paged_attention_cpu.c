@@ -225,12 +225,29 @@ static void attend_item(const Job *job, AttendFn attend, int64_t item, float *bu
     }
 }
 
-/* Returns 0 on success, 1 on a bad argument, 2 if a thread could not allocate its scores. */
-static int run(const Job *job, AttendFn attend, int32_t num_threads) {
+/* Whether every block the context lengths reach is in the table and in [0, num_blocks): the
+ * kernel reads where the table says, so it checks (once per call, about a compare per block). */
+static int tables_valid(const Job *job, int64_t num_blocks) {
+    for (int64_t seq = 0; seq < job->num_seqs; seq++) {
+        int64_t len = job->context_lens[seq];
+        if (len > job->max_context_len) len = job->max_context_len;
+        const int64_t used = (len + job->block_size - 1) / job->block_size;
+        if (used > job->max_blocks) return 0;
+        const int32_t *table = job->block_tables + seq * job->max_blocks;
+        for (int64_t b = 0; b < used; b++)
+            if (table[b] < 0 || table[b] >= num_blocks) return 0;
+    }
+    return 1;
+}
+
+/* Returns 0 on success, 1 on a bad argument, 2 if a thread could not allocate its scores, 3 for
+ * a block table that does not cover the context lengths or names a block outside the cache. */
+static int run(const Job *job, AttendFn attend, int64_t num_blocks, int32_t num_threads) {
     if (job->num_kv_heads <= 0 || job->num_heads % job->num_kv_heads != 0 ||
         job->num_heads / job->num_kv_heads > 64 || job->head_dim % LANES != 0 ||
         job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0 || num_threads <= 0)
         return 1;
+    if (!tables_valid(job, num_blocks)) return 3;
     const int64_t kv_heads = job->num_kv_heads, items = (int64_t)job->num_seqs * kv_heads;
     const size_t group = (size_t)(job->num_heads / kv_heads);
     const size_t scores_floats = (size_t)(job->max_context_len > 0 ? job->max_context_len : 1) *
@@ -259,7 +276,8 @@ static int run(const Job *job, AttendFn attend, int32_t num_threads) {
         int64_t token_stride, int64_t head_stride, const int32_t *block_tables,                \
         int64_t max_blocks, const int32_t *context_lens, int32_t max_context_len,              \
         int32_t num_seqs, int32_t num_heads, int32_t num_kv_heads, int32_t head_dim,           \
-        int32_t block_size, float scale, void *out, int32_t io_bf16, int32_t num_threads
+        int32_t block_size, float scale, void *out, int32_t io_bf16, int64_t num_blocks,       \
+        int32_t num_threads
 #define JOB                                                                                    \
     {query, key_cache, value_cache, block_stride, token_stride, head_stride, block_tables,     \
      max_blocks, context_lens, max_context_len, num_seqs, num_heads, num_kv_heads, head_dim,   \
@@ -267,10 +285,10 @@ static int run(const Job *job, AttendFn attend, int32_t num_threads) {
 
 int paged_attention_decode_f32(DECODE_ARGS) {
     const Job job = JOB;
-    return run(&job, attend_one_f32, num_threads);
+    return run(&job, attend_one_f32, num_blocks, num_threads);
 }
 
 int paged_attention_decode_bf16(DECODE_ARGS) {
     const Job job = JOB;
-    return run(&job, attend_one_bf16, num_threads);
+    return run(&job, attend_one_bf16, num_blocks, num_threads);
 }

@@ -10,6 +10,7 @@
 #ifndef PDSERVE_VEC16_H
 #define PDSERVE_VEC16_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -118,13 +119,14 @@ ALWAYS_INLINE vec16 blend(vec16 low, vec16 high, i32x16 mask) {
 }
 
 /* e^x in float32 to about 1 ulp: x = n ln2 + r with |r| <= ln2/2, e^r by its Taylor polynomial of
- * degree 7 (error below 1e-8 there), times 2^n built in the exponent bits. x is clamped to where
- * 2^n is a normal float: e^x saturates near 3.4e38 and 1.2e-38 instead of reaching inf and 0;
- * -inf gives 1.2e-38 (callers that need an exact 0 there mask it). */
+ * degree 7 (error below 1e-8 there), times 2^n built in the exponent bits. Below about -87.34
+ * (where e^x is no normal float) it gives 0, as a flush to zero; between 88.38 and ln(FLT_MAX),
+ * about 2.4e38 (within 1.5x); above, inf; NaN stays NaN. */
 ALWAYS_INLINE vec16 exp16(vec16 x) {
     const vec16 high = (vec16){0} + 88.3762626647949f, low = (vec16){0} - 87.3365447504f;
+    const i32x16 under = x < low, over = x > 88.72283935546875f;
     x = blend(x, high, x > high);
-    x = blend(x, low, x < low);
+    x = blend(x, low, under);
     const vec16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round(x/ln2) */
     const vec16 r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* ln2 in two parts */
     vec16 p = r * (1.0f / 5040) + (1.0f / 720);
@@ -137,7 +139,8 @@ ALWAYS_INLINE vec16 exp16(vec16 x) {
     const i32x16 exponent = (__builtin_convertvector(n, i32x16) + 127) << 23;
     vec16 scale;
     memcpy(&scale, &exponent, sizeof scale);
-    return p * scale;
+    const vec16 e = blend(p * scale, (vec16){0} + INFINITY, over);
+    return blend(e, (vec16){0}, under);
 }
 
 #endif

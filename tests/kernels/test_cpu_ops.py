@@ -182,15 +182,55 @@ def test_bad_block_tables_raise_instead_of_reading_out_of_bounds(
         kernel.paged_attention_decode(
             query, key_cache, value_cache, torch.tensor([[0, 1, 8]], dtype=torch.int32), lens, 0.1
         )
-    # Checked once per pair of tensors (every layer of a step passes the same ones): a good
-    # pair passes, and a new table with the same lengths is checked again.
-    good = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    for _ in range(2):
-        kernel.paged_attention_decode(query, key_cache, value_cache, good, lens, 0.1)
+    # Checked at every call, by the kernel: a table changed in place after a good call too.
+    table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    kernel.paged_attention_decode(query, key_cache, value_cache, table, lens, 0.1)
+    table[0, 0] = 3000
     with pytest.raises(ValueError, match=r"block id outside \[0, 8\)"):
-        kernel.paged_attention_decode(
-            query, key_cache, value_cache, torch.tensor([[0, 1, 9]], dtype=torch.int32), lens, 0.1
-        )
+        kernel.paged_attention_decode(query, key_cache, value_cache, table, lens, 0.1)
+
+
+def test_decode_needs_a_table_row_and_a_length_per_sequence(kernel: cpu_ops.CpuKernels) -> None:
+    key_cache, value_cache = engine_layer_caches(8, 3, 64)
+    query, tables = torch.randn(3, 9, 64), torch.zeros(3, 2, dtype=torch.int32)
+    lens = torch.full((3,), 20, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one block-table row and one context length per seq"):
+        kernel.paged_attention_decode(query, key_cache, value_cache, tables[:1], lens[:1], 0.1)
+    with pytest.raises(ValueError, match="one block-table row and one context length per seq"):
+        kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens[:2], 0.1)
+
+
+def test_decode_gives_caches_that_disagree_with_the_query_to_the_reference(
+    kernel: cpu_ops.CpuKernels,
+) -> None:
+    """A head size or a block count the caches do not share: the reference's own error (the
+    kernel would read past them)."""
+    query, lens = torch.randn(1, 4, 64), torch.tensor([20], dtype=torch.int32)
+    tables = torch.tensor([[0, 7]], dtype=torch.int32)
+    narrow = torch.randn(8, BLOCK_SIZE, 2, 32)  # head size 32 for a query of 64
+    values = torch.full((8, BLOCK_SIZE, 2, 64), 1e6)
+    for key_cache, value_cache in [
+        (narrow, narrow),
+        (torch.randn(8, BLOCK_SIZE, 2, 64), values[:2]),
+    ]:
+        with pytest.raises((RuntimeError, IndexError)):
+            reference.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1)
+        with pytest.raises((RuntimeError, IndexError)):
+            kernel.paged_attention_decode(query, key_cache, value_cache, tables, lens, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_key_far_below_the_others_gets_exactly_no_weight(
+    kernel: cpu_ops.CpuKernels, dtype: torch.dtype
+) -> None:
+    """Its softmax weight underflows to 0, as in PyTorch, however large its value."""
+    key_cache, value_cache = torch.zeros(1, BLOCK_SIZE, 1, 32), torch.ones(1, BLOCK_SIZE, 1, 32)
+    key_cache[0, 1], value_cache[0, 1] = -1e3, 1e38  # the second key scores -1e4 below the first
+    query = torch.full((1, 1, 32), 10.0 / 32)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    args = (query.to(dtype), key_cache.to(dtype), value_cache.to(dtype), tables, lens, 1.0)
+    got, want = kernel.paged_attention_decode(*args), reference.paged_attention_decode(*args)
+    assert torch.equal(got, want) and torch.equal(got, torch.ones_like(got))
 
 
 def test_kernel_shares_torchs_openmp_runtime(kernel: cpu_ops.CpuKernels) -> None:

@@ -99,12 +99,14 @@ def test_silu_mul_matches_the_reference(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_at_the_edges_of_exp(kernel: cpu_ops.CpuKernels, dtype: torch.dtype) -> None:
-    """Inputs whose exp saturates, zeros, and NaN: finite where PyTorch's is, NaN where it is."""
-    edges = torch.tensor([-1e4, -100.0, -88.0, -20.0, -0.0, 0.0, 1e-30, 20.0, 88.0, 100.0, 1e4])
-    gate = torch.cat([edges, torch.tensor([float("nan")]), torch.zeros(4)]).to(dtype)
+    """Inputs whose exp under- or overflows, zeros, infinities and NaN: PyTorch's results (-0.0
+    for -3e38: its exp overflows to inf; NaN for -inf)."""
+    edges = [-3e38, -1e4, -100.0, -88.0, -20.0, -0.0, 0.0, 1e-30, 20.0, 88.0, 100.0, 1e4, 3e38]
+    edges += [float("-inf"), float("inf"), float("nan")]
+    gate = torch.tensor(edges + [0.0] * (32 - len(edges))).to(dtype)
     gate_up = torch.cat([gate, torch.full_like(gate, 1.5)])[None]
     got, want = kernel.silu_mul(gate_up), reference.silu_mul(gate_up)
-    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
     assert torch.allclose(got.float(), want.float(), rtol=1e-6, atol=1e-30, equal_nan=True)
 
 
@@ -120,3 +122,35 @@ def test_unsupported_inputs_take_the_reference(kernel: cpu_ops.CpuKernels) -> No
     ones = torch.ones(64)
     want = reference.add_rms_norm(strided.clone(), None, ones, 1e-6)
     assert torch.equal(kernel.add_rms_norm(strided, None, ones, 1e-6), want)
+
+
+def test_rotary_write_kv_takes_only_caches_of_the_layer_it_is_told(
+    kernel: cpu_ops.CpuKernels,
+) -> None:
+    """Caches whose heads, head size or blocks disagree with the call go to the reference (which
+    refuses them); nothing is written past the views the kernel was given."""
+    qkv, slots = torch.randn(1, (2 + 2 * 2) * 32), torch.tensor([63])
+    rotary = (torch.randn(1, 1, 32), torch.randn(1, 1, 32))
+    keys, values = torch.zeros(5, BLOCK_SIZE, 1, 32), torch.zeros(5, BLOCK_SIZE, 2, 32)
+    cases = {
+        "one kv head, told two": (keys[:4], torch.zeros(4, BLOCK_SIZE, 1, 32)),
+        "fewer value blocks": (torch.zeros(8, BLOCK_SIZE, 2, 32), values[:2]),
+    }
+    for key_cache, value_cache in cases.values():
+        with pytest.raises((RuntimeError, IndexError)):
+            reference.rotary_write_kv(qkv, rotary, key_cache, value_cache, slots, 2, 2)
+        with pytest.raises((RuntimeError, IndexError)):
+            kernel.rotary_write_kv(qkv, rotary, key_cache, value_cache, slots, 2, 2)
+    assert not keys[4].any() and not values[2:].any(), "written outside a cache view"
+    wide = (torch.randn(1, 1, 64), torch.randn(1, 1, 64))  # head size 64, caches of 32
+    two_heads = torch.zeros(5, BLOCK_SIZE, 2, 32)
+    cache = two_heads[:4]
+    with pytest.raises(RuntimeError):
+        kernel.rotary_write_kv(torch.randn(1, 6 * 64), wide, cache, cache.clone(), slots, 2, 2)
+    assert not two_heads[4].any()
+
+
+def test_a_zero_size_last_dimension_gives_the_reference_result(kernel: cpu_ops.CpuKernels) -> None:
+    assert kernel.silu_mul(torch.randn(3, 0)).shape == (3, 0)
+    x, weight = torch.randn(3, 0), torch.randn(0)
+    assert kernel.add_rms_norm(x, None, weight, 1e-5).shape == (3, 0)

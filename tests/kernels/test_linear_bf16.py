@@ -62,6 +62,23 @@ def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
     assert y[0, 0].item() == 1.0 and y[0, 1].item() == 1 + 2.0**-6 and y[0, 2].isnan()
 
 
+def test_linear_declines_shapes_that_disagree(kernel: cpu_ops.CpuKernels) -> None:
+    """None (the packed GEMM then runs, and raises what ``F.linear`` raises) for a weight that
+    is not [out, in], a bias not [out] or strided, or no output features: the kernel would read
+    past them."""
+    x, weight = torch.randn(1, 64).to(torch.bfloat16), torch.randn(16, 64).to(torch.bfloat16)
+    bias = torch.randn(16, 2)
+    assert kernel.linear_bf16(x, weight, bias[:, 0].contiguous()) is not None
+    for bad_weight, bad_bias in [
+        (torch.randn(16, 32).to(torch.bfloat16), None),  # 32 inputs for x's 64
+        (weight, torch.randn(4)),
+        (weight, bias[:, 0]),  # strided
+        (torch.randn(0, 64).to(torch.bfloat16), None),
+        (torch.randn(2, 16, 64).to(torch.bfloat16), None),
+    ]:
+        assert kernel.linear_bf16(x, bad_weight, bad_bias) is None
+
+
 def test_matmul_dtype_widens_half_precision_only_without_native_dot_products(monkeypatch) -> None:
     assert matmul_dtype(torch.float32, "auto") == torch.float32
     assert matmul_dtype(torch.bfloat16, "native") == torch.bfloat16
