@@ -31,7 +31,7 @@ from services.engine.output_processor import OutputProcessor, RequestState
 from services.engine.outputs import RequestOutput
 from services.engine.request_builder import RequestBuilder
 from services.engine.sampler import Sampler, SampleResult
-from services.engine.scheduler import Scheduler
+from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence
 from services.engine.stats import EngineStats
 from services.engine.tokenizer import Tokenizer
@@ -174,8 +174,19 @@ class LLMEngine:
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return a delta for every request that advanced."""
+        return self.run(self.schedule())
+
+    def schedule(self) -> ScheduledBatch:
+        """The next iteration's batch, for ``run``. What it admitted for a pull or as a
+        prefill-only request can be taken (``take_pull_plans``, ``take_prefill_admissions``)
+        before it runs: a worker starts those transfers while the model computes."""
         batch = self.scheduler.schedule()
         self.handoff.on_schedule(batch)
+        return batch
+
+    def run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Compute ``batch``, the last ``schedule``'s (no other engine call in between), and
+        return a delta for every request that advanced."""
         if batch.is_empty:
             return []
         logits, seqs = self.runner.execute(batch)

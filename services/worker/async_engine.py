@@ -1,11 +1,12 @@
 """An LLMEngine driven from asyncio: one engine, one step loop, many concurrent callers.
 
-The engine is not thread-safe, so it is touched in exactly two ways: ``engine.step()`` runs on a
-dedicated thread (so the event loop stays responsive while the model computes), and every other
-engine call is queued and applied by the loop between two steps, through the named methods
-below. Each request's outputs go to its ``OutputStream``, which merges the deltas a slow
-consumer has not read yet into one output: memory per request is bounded by its answer, never
-by how far the consumer lags, and the step loop never waits for a consumer.
+The engine is not thread-safe, so it is touched in exactly two ways: ``engine.run(batch)``
+computes a step on a dedicated thread (so the event loop stays responsive while the model
+computes), and every other engine call, ``schedule()`` included, is made by the loop between two
+steps (queued through the named methods below). Each request's outputs go to its
+``OutputStream``, which merges the deltas a slow consumer has not read yet into one output:
+memory per request is bounded by its answer, never by how far the consumer lags, and the step
+loop never waits for a consumer.
 """
 
 from __future__ import annotations
@@ -239,16 +240,27 @@ class AsyncEngine:
                     await self._wake.wait()
                 continue
             try:
-                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+                batch = self.engine.schedule()
+                # Pull plans go out before the batch computes: the pull runs beside this step,
+                # and its request can join the next one (one step less of hand-off). Prefill
+                # admissions go out after it: a KV handle sent before the prompt computed would
+                # only start a streamed pull that competes with the compute for the prefill
+                # worker's core (TTFT +50 ms, measured in docs/benchmarks.md).
+                admitted = self._deliver_plans()
+                outputs = (
+                    await loop.run_in_executor(self._executor, self.engine.run, batch)
+                    if not batch.is_empty
+                    else []
+                )
             except Exception:  # a bug, not bad input: fail the batch loudly, keep serving
                 log.exception("engine step failed; aborting the running requests")
-                outputs = self._abort_all()
+                outputs, admitted = self._abort_all(), 0
+            self._deliver_admissions()
             self.num_steps += 1
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     stream.put(output)
-            admitted = self._deliver_plans()
             self._stats = self.engine.stats()
             if not self.engine.num_running and not admitted:  # nothing admissible now
                 self._wake.clear()
@@ -261,11 +273,13 @@ class AsyncEngine:
             future = self._plans.get(plan.request_id)
             if future is not None and not future.done():
                 future.set_result(plan)
+        return len(plans)
+
+    def _deliver_admissions(self) -> None:
         for request_id, block_ids in self.engine.take_prefill_admissions():
             admitted = self._admissions.get(request_id)
             if admitted is not None and not admitted.done():
                 admitted.set_result(block_ids)
-        return len(plans)
 
     def _apply_pending(self) -> None:
         pending, self._pending = self._pending, []

@@ -4,6 +4,7 @@ a duplicate request id does (nothing, to the request that has it)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -70,4 +71,49 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(llm):
             await loop.stop()
 
     asyncio.run(run())
+    assert_no_leaks(engine)
+
+
+def test_a_pull_plan_goes_out_before_the_step_that_admitted_it_computes(llm, monkeypatch):
+    """The pull then runs beside that step, and its request can join the next one: one step
+    less between the first token (the prefill worker's) and the second."""
+    engine = llm.engine
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    events: list[str] = []
+    schedule, run_batch = engine.schedule, engine.run
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        batch = schedule()
+        if batch.pulls:
+            events.append("admitted")
+        return batch
+
+    def slow_run(batch):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)  # room for the plan's waiter to run while the step computes
+        outputs = run_batch(batch)
+        events.append("computed")
+        return outputs
+
+    monkeypatch.setattr(engine, "schedule", recording_schedule)
+    monkeypatch.setattr(engine, "run", slow_run)
+
+    async def run() -> None:
+        loop = AsyncEngine(engine)
+        loop.start()
+        try:
+            running, _ = await loop.add_request("running", prompt, LONG)
+            await running.get()  # its prompt is computed: now it decodes, step after step
+            _, _, pulled = await loop.add_prefilled("pulled", prompt, 1, LONG, None)
+            await loop.pull_plan("pulled", timeout=10)
+            events.append("plan")
+            await loop.recompute_pull("pulled")  # no prefill worker here: compute it after all
+            for rid, stream in (("running", running), ("pulled", pulled)):
+                async for _ in loop.outputs(rid, stream):
+                    pass
+        finally:
+            await loop.stop()
+
+    asyncio.run(run())
+    admitted = events.index("admitted")
+    assert events[admitted + 1] == "plan", events[admitted : admitted + 3]
     assert_no_leaks(engine)
