@@ -69,7 +69,10 @@ def paged_attention_decode(
     the query token, whose KV is already written). Returns ``[num_seqs, num_heads, head_dim]``.
 
     Scores are computed block by block on the gathered blocks as they lie, with no transposed
-    copy of the keys or values, and the softmax spans all blocks of a sequence.
+    copy of the keys or values, and the softmax spans all blocks of a sequence. The products run
+    in the cache's dtype: the query is cast to it and the probabilities rounded to it (a float32
+    query on a bfloat16 cache is rounded here); the compiled kernel computes in float32 whatever
+    the dtypes, so tests compare it with float32 math on the same values, not with these roundings.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
