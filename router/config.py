@@ -68,7 +68,8 @@ class RouterConfig:
     local_prefill_tokens: int = setting(
         256,
         "conditional: a prompt with at most this many tokens its decode worker does not cache "
-        "is computed by that decode worker",
+        "is computed by that decode worker, unless it already has this many prompt tokens of "
+        "its own to compute (a burst: then on a prefill worker)",
     )
     prefill_busy_tokens: int = setting(
         2048,

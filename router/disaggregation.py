@@ -32,6 +32,7 @@ class RequestFacts:
     cached_tokens: int  # of them, already in the chosen decode worker's prefix cache
     prefill_queue_tokens: int  # prompt tokens in flight on the least busy prefill worker
     decode_sequences: int = 0  # running + waiting on the chosen decode worker
+    local_queue_tokens: int = 0  # prompt tokens it computes itself, sent but not yet answered
 
     @property
     def uncached_tokens(self) -> int:
@@ -69,7 +70,10 @@ class ConditionalDisaggregation(DisaggregationPolicy):
     """Prefill on the decode worker when that is cheaper than going through the prefill pool:
 
     - ``local_tokens``: a prompt with at most this many uncached tokens is computed locally
-      (reason ``short``, or ``cached`` when its decode worker caches the rest);
+      (reason ``short``, or ``cached`` when its decode worker caches the rest) - unless a short
+      one finds the decode worker with ``local_tokens`` or more prompt tokens still to compute
+      itself: a burst of short prompts, each of which would stall the worker's streams in turn
+      while the prefill pool idles. It goes to the prefill pool (``local_queue``);
     - ``busy_tokens``: when even the least busy prefill worker has more prompt tokens in flight
       than this, a prompt no longer than that wait is computed locally (``prefill_busy``) -
       unless the decode worker already runs ``decode_busy_sequences`` or more sequences: its
@@ -88,8 +92,11 @@ class ConditionalDisaggregation(DisaggregationPolicy):
     def decide(self, facts: RequestFacts) -> Decision:
         uncached = facts.uncached_tokens
         if uncached <= self.local_tokens:
-            cached = facts.prompt_tokens > self.local_tokens
-            return Decision(False, "cached" if cached else "short")
+            if facts.prompt_tokens > self.local_tokens:
+                return Decision(False, "cached")
+            if facts.local_queue_tokens < self.local_tokens:
+                return Decision(False, "short")
+            return Decision(True, "local_queue")
         if facts.prefill_queue_tokens > self.busy_tokens and uncached <= self.busy_tokens:
             if facts.decode_sequences >= self.decode_busy_sequences:
                 return Decision(True, "decode_busy")

@@ -188,7 +188,11 @@ class Orchestrator:
             decode.num_running + decode.num_waiting, self.in_flight.get(decode.worker_id, 0)
         )
         facts = RequestFacts(
-            len(sub.prompt_token_ids), cached * decode.fingerprint.block_size, queued, sequences
+            len(sub.prompt_token_ids),
+            cached * decode.fingerprint.block_size,
+            queued,
+            sequences,
+            local_queue_tokens=waiting[decode.worker_id],
         )
         decision = self.disaggregation.decide(facts)
         self.metrics.disaggregation.labels(decision=decision.label, reason=decision.reason).inc()
@@ -208,9 +212,18 @@ class Orchestrator:
         stream = self.calls.stream(
             "decode", sub, route, request, self.decode_candidates, first_choice=decode
         )
-        async with aclosing(stream):
-            async for chunk in stream:
-                yield chunk
+        # The prompt is in the decode worker's local prefill queue until its first token.
+        queued = len(sub.prompt_token_ids)
+        self.calls.add_prefill_tokens(decode, queued)
+        try:
+            async with aclosing(stream):
+                async for chunk in stream:
+                    if queued:
+                        self.calls.add_prefill_tokens(decode, -queued)
+                        queued = 0
+                    yield chunk
+        finally:
+            self.calls.add_prefill_tokens(decode, -queued)
 
     async def _disaggregated(
         self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord

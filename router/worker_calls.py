@@ -89,7 +89,9 @@ class WorkerCalls:
         self.prefill_client = PrefillClient(self.channels, config.cluster_token)
         self.metadata = token_metadata(config.cluster_token)
         self.in_flight: Counter[str] = Counter()
-        self.prefill_tokens: Counter[str] = Counter()  # worker id -> prompt tokens in flight
+        # worker id -> prompt tokens it has yet to compute, from this router (prefill workers, and
+        # decode workers computing prompts themselves)
+        self.prefill_tokens: Counter[str] = Counter()
         # Calls open on each pool's workers: the requests this router has in that pool's hands.
         self.num_pool_requests: dict[Role, int] = dict.fromkeys(ROLES, 0)
         self._background: set[asyncio.Task[None]] = set()
@@ -196,14 +198,18 @@ class WorkerCalls:
     @contextmanager
     def queued(self, worker: WorkerRecord, sub: SubRequest) -> Iterator[None]:
         """``sub``'s prompt counts in the prefill worker's queue while its Prefill call runs."""
-        tokens = len(sub.prompt_token_ids)
-        self.prefill_tokens[worker.worker_id] += tokens
+        self.add_prefill_tokens(worker, len(sub.prompt_token_ids))
         try:
             yield
         finally:
-            self.prefill_tokens[worker.worker_id] -= tokens
-            if not self.prefill_tokens[worker.worker_id]:
-                del self.prefill_tokens[worker.worker_id]
+            self.add_prefill_tokens(worker, -len(sub.prompt_token_ids))
+
+    def add_prefill_tokens(self, worker: WorkerRecord, tokens: int) -> None:
+        """Count ``tokens`` more (or fewer) prompt tokens in ``worker``'s prefill queue: a
+        prefill worker's Prefill calls, or the prompts a decode worker computes itself."""
+        self.prefill_tokens[worker.worker_id] += tokens
+        if not self.prefill_tokens[worker.worker_id]:
+            del self.prefill_tokens[worker.worker_id]
 
     @contextmanager
     def tracked(self, worker: WorkerRecord) -> Iterator[grpc.aio.Channel]:

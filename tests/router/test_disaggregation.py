@@ -6,6 +6,7 @@ router's phase histograms fill."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Iterator
 
 import httpx
@@ -48,6 +49,25 @@ def test_the_conditional_rule(
 ) -> None:
     policy = ConditionalDisaggregation(LOCAL, BUSY, DECODE_BUSY)
     assert policy.decide(RequestFacts(prompt, cached, queued, sequences)) == expected
+
+
+@pytest.mark.parametrize(
+    ("prompt", "cached", "queued", "local_queue", "expected"),
+    [
+        (40, 0, 0, LOCAL - 1, Decision(False, "short")),
+        # A burst: the decode worker already has a short prompt's worth to compute itself.
+        (40, 0, 0, LOCAL, Decision(True, "local_queue")),
+        (40, 0, BUSY + 1, 10 * BUSY, Decision(True, "local_queue")),  # even to a busy pool
+        (300, 260, 0, 10 * BUSY, Decision(False, "cached")),  # its prefix is only there
+        (200, 0, BUSY + 1, 10 * BUSY, Decision(False, "prefill_busy")),  # the rules after: same
+    ],
+)
+def test_a_burst_of_short_prompts_goes_to_the_prefill_pool(
+    prompt: int, cached: int, queued: int, local_queue: int, expected: Decision
+) -> None:
+    policy = ConditionalDisaggregation(LOCAL, BUSY, DECODE_BUSY)
+    facts = RequestFacts(prompt, cached, queued, 0, local_queue_tokens=local_queue)
+    assert policy.decide(facts) == expected
 
 
 def test_always_and_unknown_policies() -> None:
@@ -120,6 +140,33 @@ def test_short_long_and_cached_prompts_go_where_they_cost_least(cluster) -> None
     for phase in ("prefill_compute", "kv_transfer", "decode_first_step"):
         labels = f'phase="{phase}"'
         assert router.metric("pdserve_router_ttft_phase_seconds_count", labels) >= 1
+    for worker in c.workers:
+        assert wait_until(lambda w=worker: blocks_in_use(w) == 0)
+
+
+def test_a_burst_of_short_prompts_is_shared_with_the_prefill_worker(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Eight short prompts at once: the decode worker computes the first ones itself, and those
+    that find it with a short prompt's worth (LOCAL tokens) still to compute go to the prefill
+    worker. Once they are answered, its local queue is empty again: the next one is local."""
+    c, router = cluster
+    before = {
+        reason: decisions(router, decision, reason)
+        for decision, reason in (("local", "short"), ("remote", "local_queue"))
+    }
+    prompts = [f"Request {i}: " + "tell me about paged attention " * 6 for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda p: complete(router, p), prompts))
+    assert all(a["usage"]["completion_tokens"] == 3 for a in answers)
+    assert all(30 <= a["usage"]["prompt_tokens"] <= LOCAL for a in answers)  # all "short"
+    short = decisions(router, "local", "short") - before["short"]
+    remote = decisions(router, "remote", "local_queue") - before["local_queue"]
+    assert short + remote == len(prompts)
+    assert short >= 1 and remote >= 1, (short, remote)
+    sources = [a["usage"]["pdserve_timings"][0]["kv_source"] for a in answers]
+    assert sources.count("pulled") == remote, sources
+
+    complete(router, "A short question after the burst:")  # nothing left in the local queue
+    assert decisions(router, "local", "short") - before["short"] == short + 1
     for worker in c.workers:
         assert wait_until(lambda w=worker: blocks_in_use(w) == 0)
 
