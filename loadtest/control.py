@@ -56,13 +56,15 @@ def sigint_stops(stop: Stop) -> Iterator[None]:
         if stop.is_set:
             print("\ninterrupted again: exiting without saving", file=sys.stderr, flush=True)
             os._exit(130)
+        # Stopping before saying so: a second SIGINT can run this handler again as soon as
+        # the print below has been read (Python runs handlers between any two bytecodes).
+        stop.reason = stop.reason or "interrupted (SIGINT)"  # seen at once by sync code
+        loop.call_soon_threadsafe(stop.set, "interrupted (SIGINT)")
         print(
             "\ninterrupted: stopping (in-flight requests cancelled); Ctrl-C again to quit at once",
             file=sys.stderr,
             flush=True,
         )
-        loop.call_soon_threadsafe(stop.set, "interrupted (SIGINT)")
-        stop.reason = stop.reason or "interrupted (SIGINT)"  # seen at once by sync code
 
     try:
         previous = signal.signal(signal.SIGINT, on_sigint)
