@@ -171,7 +171,10 @@ def test_one_trace_across_router_prefill_transfer_and_decode(traced):  # type: i
         parent = by_id.get(span["parent_span_id"] or "")
         if parent is not None:
             assert parent["start_unix_ns"] <= span["start_unix_ns"] + slack, span["name"]
-            assert span["end_unix_ns"] <= parent["end_unix_ns"] + slack, span["name"]
+            # Within a process a child ends inside its parent. A worker's server span may close
+            # after the router's client span got the last reply (CI saw 2.2 ms), so not across.
+            if span["service"] == parent["service"]:
+                assert span["end_unix_ns"] <= parent["end_unix_ns"] + slack, span["name"]
     assert all(s["status"] != "ERROR" for s in spans)
     # Prompts stay out of the logs without --log-requests.
     assert PROMPT not in router.process.output_tail(200)
