@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class PrefillServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The prefill worker's service. Called by R (Prefill, PrefillStream, Release) and by D
+    (Release, RenewLease), all with the cluster token. Besides the rpcs, a reaper on P ends
+    every lease that ran out, every 0.2 s, for the worker's lifetime. On SIGTERM P drains:
+    Prefill and PrefillStream answer UNAVAILABLE, Release and RenewLease are still answered,
+    running calls get up to --drain-seconds (30 s), then every pin left is released.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,29 +62,86 @@ class PrefillServiceStub:
 
 
 class PrefillServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The prefill worker's service. Called by R (Prefill, PrefillStream, Release) and by D
+    (Release, RenewLease), all with the cluster token. Besides the rpcs, a reaper on P ends
+    every lease that ran out, every 0.2 s, for the worker's lifetime. On SIGTERM P drains:
+    Prefill and PrefillStream answer UNAVAILABLE, Release and RenewLease are still answered,
+    running calls get up to --drain-seconds (30 s), then every pin left is released.
+    """
 
     def Prefill(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Whole prefill (R, with --no-stream-kv): compute the prompt, sample the first token, pin
+        the prompt's blocks under a lease and answer them in PrefillResponse.kv, checksums
+        included. The lease starts before the answer is sent: an answer that never reaches R (R
+        cancelled, the call's deadline passed) leaves the blocks to the reaper, one lease later.
+        Deadline: R's --prefill-timeout-seconds (120 s) per attempt.
+        Cancelled (or the deadline passes) before the first token: P aborts the request and
+        frees its blocks at once.
+        Statuses:
+        OK: the answer; with finish_reason set nothing is pinned, else kv is and the lease runs.
+        UNAVAILABLE: draining, or --max-pending-requests (256) calls already running; nothing
+        was done -> R tries another prefill worker.
+        INVALID_ARGUMENT: bad sampling parameters, a bad prompt, a request_id in use; nothing
+        was done -> R answers 400 to the client.
+        DEADLINE_EXCEEDED, CANCELLED (R's side), UNKNOWN or INTERNAL (P failed) -> R tries
+        another prefill worker (a new request_id); nothing of the failed attempt is released
+        by R: P aborted it, or its lease ends it.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PrefillStream(self, request, context):
         """The KV streamed while the prompt is computed: a streaming KVHandle first, then the answer.
+        Sent by R (the default). Event 1 (kv) comes once P's scheduler has admitted the prompt
+        and reserved blocks for all of it; those blocks are pinned from then on, under a lease.
+        Event 2 (done) comes once the first token is sampled; P has then told the pin the first
+        token, which the last OP_PULL_READY reply carries to D. Then the stream ends, OK.
+        Deadline: R's --prefill-timeout-seconds (120 s) per attempt, for the whole stream.
+        Cancellation (R cancels when its attempt fails, the decode side fails first, or the
+        client goes away):
+        before the kv event: P aborts the request and frees its blocks at once;
+        after kv, before done: P releases the pin; the blocks are freed (and the computation
+        aborted) once no transfer reads them; D's next pull answers unknown_request;
+        after done: nothing: the pin stays for D to pull and Release (R cancels every stream
+        after its done event, so this must be harmless), or for the lease to end.
+        Statuses:
+        OK: both events came.
+        UNAVAILABLE (before any event): draining or full -> R tries another prefill worker.
+        INVALID_ARGUMENT (before any event): as for Prefill -> 400 to the client.
+        DEADLINE_EXCEEDED, CANCELLED, UNKNOWN, INTERNAL -> R cancels the decode call it started
+        on the kv event (D aborts and releases) and tries another prefill worker with a new
+        request_id; its handle is not released by R (P released it when the call ended).
+        A stream that ends OK without a done event -> R answers 502.
+        Known gap (issue #30): when the pin ends while P still computes (its lease ran out, or D
+        released it after a failed streamed pull), the computation is aborted but this call is
+        not told: it waits for an answer until R's deadline (120 s) ends it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The blocks pinned under request_id may go (see ReleaseRequest for who sends it and when).
+        Deadline: 2 s (common/prefill_client.py); fire and forget, never retried.
+        Statuses:
+        OK: always, with released true or false (see ReleaseResponse): a second Release, or one
+        after the lease ended, is harmless.
+        UNAVAILABLE, DEADLINE_EXCEEDED (P gone or slow) -> the caller logs it and moves on: the
+        lease frees the blocks.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def RenewLease(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Keep the blocks pinned under request_id another --lease-seconds (see RenewLeaseRequest).
+        Deadline: 2 s.
+        Statuses:
+        OK: always, renewed true or false.
+        UNAVAILABLE, DEADLINE_EXCEEDED (P gone or slow) -> D treats it as renewed = false: the
+        blocks are taken as gone (it recomputes, or Generate answers ABORTED).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -116,7 +178,12 @@ def add_PrefillServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillService:
-    """Missing associated documentation comment in .proto file."""
+    """The prefill worker's service. Called by R (Prefill, PrefillStream, Release) and by D
+    (Release, RenewLease), all with the cluster token. Besides the rpcs, a reaper on P ends
+    every lease that ran out, every 0.2 s, for the worker's lifetime. On SIGTERM P drains:
+    Prefill and PrefillStream answer UNAVAILABLE, Release and RenewLease are still answered,
+    running calls get up to --drain-seconds (30 s), then every pin left is released.
+    """
 
     @staticmethod
     def Prefill(request,
@@ -228,7 +295,10 @@ class PrefillService:
 
 
 class DecodeServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The decode worker's service (a colocated worker serves it too, and PrefillService). Called
+    by R only, with the cluster token. On SIGTERM D drains like P: Generate answers
+    UNAVAILABLE, running streams get up to --drain-seconds (30 s).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -244,10 +314,52 @@ class DecodeServiceStub:
 
 
 class DecodeServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The decode worker's service (a colocated worker serves it too, and PrefillService). Called
+    by R only, with the cluster token. On SIGTERM D drains like P: Generate answers
+    UNAVAILABLE, running streams get up to --drain-seconds (30 s).
+    """
 
     def Generate(self, request, context):
         """A request is aborted by cancelling its Generate stream: the worker frees its blocks at once.
+        Sent by R: without kv (local, colocated, or sequences 1..n-1 after sequence 0 ended at
+        its first token), with kv and first_token (whole prefill), or with a streaming kv and no
+        first_token (streamed, as soon as P's kv event came).
+        With kv, D: checks the handle; queues the request; waits for its scheduler to reserve
+        blocks for the KV, renewing P's lease meanwhile (no deadline but the call's); pulls the
+        blocks its prefix cache lacks (see "The KV pull"); then, whatever the outcome, sends
+        Release to P in the background; decodes. A failed pull, or blocks gone before it: D
+        computes the prompt itself when it has the first token (kv_source "recomputed"; with
+        --on-pull-failure fail it answers UNAVAILABLE instead), else it answers ABORTED.
+        Deadline: R's --request-timeout-seconds (600 s), counted from the start of the decode
+        stage and shared by its attempts (each gets what is left, at least 1 s).
+        Cancellation (R cancels when the client goes away, when the prefill attempt it belongs to
+        fails, or once sequence 0 ended at its first token): D aborts the request and frees its
+        blocks at once; during the pull also sends Release for the handle.
+        Statuses (all but the mid-stream case come before the first chunk, D having produced
+        nothing for the client):
+        OK: every sequence finished (each has a chunk with finish_reason).
+        UNAVAILABLE: draining or --max-pending-requests (256) streams running; nothing was done
+        and the handle is untouched -> R tries another decode worker with the same handle.
+        Also: the pull failed and D runs with --on-pull-failure fail; D released the handle
+        -> R tries another decode worker, whose pull then finds the blocks released.
+        INVALID_ARGUMENT: bad sampling parameters, prompt or first_token, a request_id in use,
+        or a KV handle refused (fingerprint, unregistered addresses); D sent Release unless
+        it refused the handle itself -> R answers 400 to the client and sends Release too
+        (a second Release is harmless).
+        ABORTED: only for a streaming kv without first_token: the streamed pull failed, or the
+        blocks were gone before it (RenewLease said no); D has nothing to recompute from
+        ("ask again with the first token"); it released the handle -> R does not count the
+        worker as failed: it waits for P's done answer, then asks again (this worker first)
+        with first_token set; that attempt computes the prompt on D (kv_source "recomputed").
+        Each ABORTED uses one of the --max-attempts (3). If D's Release reached P while P
+        still computed, P's answer never comes (see PrefillStream's known gap): R's wait for
+        it ends with the PrefillStream deadline.
+        DEADLINE_EXCEEDED, CANCELLED, UNKNOWN, INTERNAL (D failed) -> R tries another decode
+        worker with the same request (an attempt after P's answer carries first_token).
+        Any error after the first chunk -> R ends the request with a mid-stream error (502);
+        no retry: the client already has part of the answer.
+        When no decode worker took the request (every attempt failed before a first chunk), R
+        sends Release for the handle itself, to the address it called P at.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,7 +382,10 @@ def add_DecodeServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DecodeService:
-    """Missing associated documentation comment in .proto file."""
+    """The decode worker's service (a colocated worker serves it too, and PrefillService). Called
+    by R only, with the cluster token. On SIGTERM D drains like P: Generate answers
+    UNAVAILABLE, running streams get up to --drain-seconds (30 s).
+    """
 
     @staticmethod
     def Generate(request,
