@@ -98,8 +98,8 @@ class PrefillServiceServicer:
         Event 2 (done) comes once the first token is sampled; P has then told the pin the first
         token, which the last OP_PULL_READY reply carries to D. Then the stream ends, OK.
         Deadline: R's --prefill-timeout-seconds (120 s) per attempt, for the whole stream.
-        Cancellation (R cancels when its attempt fails, the decode side fails first, or the
-        client goes away):
+        Cancellation (R cancels it when the client goes away, and after the done event; the
+        deadline ends it like a cancellation):
         before the kv event: P aborts the request and frees its blocks at once;
         after kv, before done: P releases the pin; the blocks are freed (and the computation
         aborted) once no transfer reads them; D's next pull answers unknown_request;
