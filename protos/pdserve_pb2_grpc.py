@@ -343,9 +343,10 @@ class DecodeServiceServicer:
         Also: the pull failed and D runs with --on-pull-failure fail; D released the handle
         -> R tries another decode worker, whose pull then finds the blocks released.
         INVALID_ARGUMENT: bad sampling parameters, prompt or first_token, a request_id in use,
-        or a KV handle refused (fingerprint, unregistered addresses); D sent Release unless
-        it refused the handle itself -> R answers 400 to the client and sends Release too
-        (a second Release is harmless).
+        or a KV handle refused (fingerprint, unregistered addresses); D sent Release when it
+        had accepted the handle (a bad prompt, first_token or id), not for bad sampling
+        parameters (checked first) or a refused handle -> R answers 400 to the client and
+        sends Release too (a second Release is harmless).
         ABORTED: only for a streaming kv without first_token: the streamed pull failed, or the
         blocks were gone before it (RenewLease said no); D has nothing to recompute from
         ("ask again with the first token"); it released the handle -> R does not count the
