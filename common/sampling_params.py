@@ -12,6 +12,30 @@ def sequence_seed(seed: int, index: int) -> int:
     return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / the golden ratio, odd)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: each output bit depends on every input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, index: int, position: int) -> int:
+    """The seed (a uint64) of the draw of output token ``position`` (0: the first) of sequence
+    ``index`` of a request seeded with ``seed``: ``mix(mix(sequence_seed) + (position + 1) *
+    gamma)``, splitmix64's step. A pure function of the three (counter-based), so a draw does
+    not depend on the worker that makes it or on the draws before it: the route (local, pulled,
+    recomputed) and preemption leave seeded output unchanged. It goes through ``sequence_seed``,
+    so a request re-sent with ``sequence_seed(seed, k)`` draws for its sequence ``i`` what the
+    original's sequence ``i + k`` would (the router does that for n > 1). Torch's CPU generator
+    keeps only the low 32 bits of a seed; those are well mixed too."""
+    base = _mix64(sequence_seed(seed, index) & _MASK64)
+    return _mix64((base + (position + 1) * _GAMMA) & _MASK64)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.

@@ -3,10 +3,12 @@
 Order of operations: raw log-probabilities (returned with ``logprobs``) -> repetition, frequency
 and presence penalties -> greedy rows take the argmax -> temperature -> top-k, top-p, min-p ->
 a draw. Draws use the exponential-race trick (argmax of p / Exp(1)), which is equivalent to
-sampling from p and lets a seeded request use its own generator, so its output does not depend
-on what else is in the batch. The sampler owns those generators: one per seeded sequence,
-created at its first draw (seeded with ``sequence_seed(seed, index)``) and dropped by
-``forget`` when the sequence ends.
+sampling from p and lets a seeded row take its noise from a generator of its own, so its output
+does not depend on what else is in the batch. That noise is counter-based: the generator is
+re-seeded for every draw with ``draw_seed(seed, index, position)`` (the request's seed, the
+sequence's index, its number of output tokens so far), so it does not depend on the draws before
+either: a prompt computed locally, pulled or recomputed after a failed pull, and a preempted
+sequence, all give the same tokens. Unseeded rows share the sampler's generator.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from common.sampling_params import sequence_seed
+from common.sampling_params import draw_seed
 from services.engine.sequence import Sequence
 
 
@@ -30,20 +32,16 @@ class Sampler:
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
-        self._generators: dict[int, torch.Generator] = {}  # seq_id -> its own (seeded requests)
+        self._seeded = torch.Generator()  # re-seeded before each seeded row's draw
 
     def forget(self, seq: Sequence) -> None:
-        """``seq`` has ended: drop its generator."""
-        self._generators.pop(seq.seq_id, None)
+        """``seq`` has ended. Nothing to drop: a seeded draw keeps no state between steps."""
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:
-        if seq.params.seed is None:
+        seed = seq.params.seed
+        if seed is None:
             return self.generator
-        generator = self._generators.get(seq.seq_id)
-        if generator is None:
-            seed = sequence_seed(seq.params.seed, seq.index)
-            generator = self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
-        return generator
+        return self._seeded.manual_seed(draw_seed(seed, seq.index, seq.num_output_tokens))
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from common.sampling_params import SamplingParams, sequence_seed
+from common.sampling_params import SamplingParams, draw_seed, sequence_seed
 from services.engine.sampler import (
     Sampler,
     apply_penalties,
@@ -189,24 +189,25 @@ def test_same_sampler_seed_same_draws():
 
 def test_seeded_row_is_independent_of_the_batch():
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
-    base = random_logits(1, seed=11)
+    base = random_logits(1, seed=11) / 3  # flat-ish: many tokens are likely
     others = random_logits(7, seed=12)
 
     def draw_alone(steps: int) -> list[int]:
         seq, sampler = seq_with(params), Sampler(seed=0)
-        return [sampler(base, [seq]).token_ids[0] for _ in range(steps)]
+        for _ in range(steps):
+            seq.append_token(sampler(base, [seq]).token_ids[0])
+        return seq.output_token_ids
 
     def draw_batched(steps: int, sampler_seed: int, position: int) -> list[int]:
         seq = seq_with(params)
         sampler = Sampler(seed=sampler_seed)
-        out = []
         for _ in range(steps):
             rows = list(others)
             rows.insert(position, base[0])
             batch_seqs = [seq_with(SamplingParams(temperature=2.0)) for _ in range(7)]
             batch_seqs.insert(position, seq)
-            out.append(sampler(torch.stack(rows), batch_seqs).token_ids[position])
-        return out
+            seq.append_token(sampler(torch.stack(rows), batch_seqs).token_ids[position])
+        return seq.output_token_ids
 
     alone = draw_alone(20)
     assert len(set(alone)) > 1, "a seeded row still samples (not greedy)"
@@ -221,10 +222,27 @@ def test_different_request_seeds_differ():
     first = Sampler()(base, [seq_with(p1)]).token_ids[0]
     seq1, seq2 = seq_with(p1), seq_with(p2)
     s = Sampler()
-    d1 = [s(base, [seq1]).token_ids[0] for _ in range(30)]
-    d2 = [s(base, [seq2]).token_ids[0] for _ in range(30)]
-    assert d1 != d2
-    assert d1[0] == first
+    for _ in range(30):
+        seq1.append_token(s(base, [seq1]).token_ids[0])
+        seq2.append_token(s(base, [seq2]).token_ids[0])
+    assert seq1.output_token_ids != seq2.output_token_ids
+    assert seq1.output_token_ids[0] == first
+
+
+def test_a_seeded_draw_depends_only_on_seed_index_and_position():
+    """Counter-based noise: a sampler that never saw the sequence (another worker's, after a
+    pull or a preemption) draws the token at position k exactly as the one that drew 0..k-1."""
+    params = SamplingParams(temperature=1.0, seed=42, n=2)
+    logits = random_logits(12, seed=13)
+    seq, steady = seq_with(params), Sampler(seed=0)
+    seq.index = 1
+    for row in logits:
+        token = steady(row[None], [seq]).token_ids[0]
+        fresh = seq_with(params, output=seq.output_token_ids)
+        fresh.index = 1
+        assert Sampler(seed=3)(row[None], [fresh]).token_ids == [token]
+        seq.append_token(token)
+    assert len(set(seq.output_token_ids)) > 1, "a seeded row still samples (not greedy)"
 
 
 # ----- penalties --------------------------------------------------------------------------
@@ -383,15 +401,25 @@ def test_sampling_params_normalization_and_flags():
 
 @pytest.mark.parametrize("seed", [2**63 - 1, -(2**63), 0, -1])
 def test_sequence_seeds_wrap_within_int64_and_differ(seed):
-    """A seed at either end of int64 with n > 1 still gives every sequence its own generator."""
+    """A seed at either end of int64 with n > 1 still gives every draw its own seed: every
+    sequence, every position, and in the low 32 bits torch's CPU generator keeps."""
     seeds = [sequence_seed(seed, index) for index in range(4)]
     assert all(-(2**63) <= s < 2**63 for s in seeds) and len(set(seeds)) == 4
+    draws = [draw_seed(seed, index, pos) for index in range(4) for pos in range(64)]
+    assert all(0 <= d < 2**64 for d in draws)
+    assert len({d & 0xFFFFFFFF for d in draws}) == len(draws)
     params = SamplingParams(temperature=1.0, seed=seed, n=4)
     seqs = [seq_with(params) for _ in range(4)]
     for index, seq in enumerate(seqs):
         seq.index = index
-    sampler = Sampler()
-    sampler(random_logits(4, seed=3), seqs)  # each draws with its own generator, none raises
-    for seq in seqs:
-        sampler.forget(seq)
-    assert not sampler._generators
+    Sampler()(random_logits(4, seed=3), seqs)  # each draws with its own seed, none raises
+
+
+def test_draw_seeds_follow_a_shifted_request_seed():
+    """The router re-sends sequences 1..n-1 as a request seeded with ``sequence_seed(seed, 1)``:
+    its sequence i must draw what the original's sequence i + 1 would."""
+    for seed in (0, 12345, 2**63 - 1):
+        shifted = sequence_seed(seed, 1)
+        for index in range(3):
+            for pos in (0, 1, 7):
+                assert draw_seed(shifted, index, pos) == draw_seed(seed, index + 1, pos)
