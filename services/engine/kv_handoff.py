@@ -111,10 +111,15 @@ class KVHandoff:
         """Queue the request's sequence for admission with its prompt's KV to be pulled; True
         when its first token alone ended it instead (nothing queued, nothing to pull).
 
-        With n > 1 the last prompt token is computed here, so the other sequences can draw
-        their own first token from its logits, while sequence 0 keeps the one it was given.
+        This is the one place that decides how much of the prompt's KV is pulled: all of it
+        (``num_remote_kv_tokens``; the scheduler reserves exactly that, the plan pulls the
+        blocks holding it and ``commit`` marks it computed), whether the first token comes
+        now or with the last pull. With n > 1 the last prompt token is computed here instead,
+        so the other sequences can draw their own first token from its logits, while sequence
+        0 keeps the one it was given.
         """
         seq = request.seqs[0]
+        seq.num_remote_kv_tokens = seq.num_prompt_tokens - (1 if request.params.n > 1 else 0)
         if request.params.n > 1:
             seq.forced_token, seq.forced_logprobs = first_token, first_logprobs
         elif first_token is not None:

@@ -8,9 +8,9 @@ what is left of the budget is split into chunks (chunked prefill) unless that is
 
 A waiting sequence whose prompt KV comes from a prefill worker (``kv_from_remote``) is admitted
 by the same rule, under the same ``max_num_seqs`` and free-block checks, but instead of computing
-its prompt it gets blocks reserved for the KV (all tokens but the last, minus what the prefix
-cache holds) and becomes PULLING, listed in the batch's ``pulls``; ``commit_pull`` then makes it
-RUNNING with that KV in place, or ``recompute_pull`` sends it back to compute its prompt here.
+its prompt it gets blocks reserved for the KV that comes from elsewhere (``num_remote_kv_tokens``,
+minus what the prefix cache holds) and becomes PULLING, listed in the batch's ``pulls``;
+``commit_pull`` then makes it RUNNING with that KV in place, or ``recompute_pull`` sends it back to compute its prompt here.
 PULLING sequences count against ``max_num_seqs``: they are about to run. ``pin`` takes a prefill
 worker's finished-computing sequence out of the batch, keeping its blocks (PINNED).
 
@@ -170,11 +170,12 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = self.pool.find_cached_prefix(seq)
             num_new = seq.num_tokens - len(prefix) * block_size
-            if seq.kv_from_remote:  # reserve room for its KV; the last token is computed here
-                if not self.pool.can_allocate(seq, num_new - 1, prefix):
+            if seq.kv_from_remote:  # reserve room for exactly the KV that comes from elsewhere
+                num_reserved = seq.num_remote_kv_tokens - len(prefix) * block_size
+                if not self.pool.can_allocate(seq, num_reserved, prefix):
                     break
                 self.waiting.popleft()
-                self.pool.allocate(seq, num_new - 1, prefix)
+                self.pool.allocate(seq, num_reserved, prefix)
                 seq.status = SequenceStatus.PULLING
                 self.pulling.append(seq)
                 batch.pulls.append(seq)
@@ -250,10 +251,11 @@ class Scheduler:
         seq.finished_time = time.monotonic()
 
     def commit_pull(self, seq: Sequence) -> None:
-        """``seq``'s KV is in its reserved blocks: it runs from its last token on."""
+        """``seq``'s pulled KV is in its reserved blocks: it runs from the first token whose KV
+        did not come with it (the first sampled token, or with n > 1 the last prompt token)."""
         self.pulling.remove(seq)
         seq.kv_from_remote = False
-        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_computed_tokens = seq.num_remote_kv_tokens
         self.pool.cache_full_blocks(seq)
         self.add_running(seq)
 

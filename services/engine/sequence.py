@@ -58,9 +58,13 @@ class Sequence:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # Disaggregation: a prefill-only sequence is pinned after its first token; a pulled one is
-    # admitted for its prompt's KV (all tokens but the last) instead of computing it.
+    # admitted for its prompt's KV (``num_remote_kv_tokens``) instead of computing it.
     pin_blocks: bool = False
     kv_from_remote: bool = False
+    # Pulled: how many leading prompt tokens' KV comes from the prefill worker (set once, by
+    # ``KVHandoff.expect``): the scheduler reserves exactly that and ``commit_pull`` marks
+    # exactly that computed.
+    num_remote_kv_tokens: int = 0
     # n > 1: the first sequence computes the prompt and is forked into the others once.
     num_forks_pending: int = 0
     # Disaggregated n > 1: the token the prefill worker already sampled for this sequence is
