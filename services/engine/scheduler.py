@@ -10,9 +10,10 @@ A waiting sequence whose prompt KV comes from a prefill worker (``kv_from_remote
 by the same rule, under the same ``max_num_seqs`` and free-block checks, but instead of computing
 its prompt it gets blocks reserved for the KV that comes from elsewhere (``num_remote_kv_tokens``,
 minus what the prefix cache holds) and becomes PULLING, listed in the batch's ``pulls``;
-``commit_pull`` then makes it RUNNING with that KV in place, or ``recompute_pull`` sends it back to compute its prompt here.
-PULLING sequences count against ``max_num_seqs``: they are about to run. ``pin`` takes a prefill
-worker's finished-computing sequence out of the batch, keeping its blocks (PINNED).
+``commit_pull`` then makes it RUNNING with that KV in place, or ``recompute_pull`` sends it
+back to compute its prompt here. PULLING sequences count against ``max_num_seqs``: they are
+about to run. ``pin`` takes a prefill worker's finished-computing sequence out of the batch,
+keeping its blocks (PINNED).
 
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later (default), or its blocks are copied
