@@ -7,6 +7,7 @@ or reordered anywhere between prefill, transfer, decode and SSE fails a test.
 
 from __future__ import annotations
 
+import random
 import time
 
 import httpx
@@ -238,3 +239,35 @@ def test_colocated_worker_serves_the_same_text(redis_server, llm):  # type: igno
         (expected,) = offline(llm, [chat_prompt(llm)], max_tokens=20)
         assert response.choices[0].message.content == expected.text
         assert wait_until(lambda: blocks_in_use(c.workers[0]) == 0)
+
+
+def _lengths_across_residues(rng: random.Random) -> list[int]:
+    """Prompt lengths for the hand-off through the router: each residue that was ever special
+    to the block size (16): 1, 0, 15, and a random sample of the rest, up to ~20 blocks."""
+    return sorted({1, 16, 17, 33, 47, 257, *rng.sample(range(2, 320), 4)})
+
+
+def test_every_residue_of_the_block_size_gives_the_offline_tokens(client, llm):  # type: ignore[no-untyped-def]
+    """The default hand-off (KV streamed while the prompt computes, always disaggregated here)
+    at lengths across the block size's residues, prompts as token ids, greedy, n 1 and 2:
+    every choice's text equals the offline engine's. 16k+1 used to decode from a stale slot."""
+    seed = int(time.time()) // 3600  # a new sample every hour, named on failure
+    rng = random.Random(seed)
+    lengths = _lengths_across_residues(rng)
+    prompts = [[rng.randrange(100, 40_000) for _ in range(length)] for length in lengths]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    expected = [out.outputs[0].text for out in llm.generate(prompts, params)]
+    for n, indices in ((1, range(len(prompts))), (2, [0, 2, len(prompts) - 1])):
+        response = client.completions.create(
+            model=MODEL,
+            prompt=[prompts[i] for i in indices],
+            max_tokens=4,
+            temperature=0,
+            n=n,
+            extra_body={"ignore_eos": True},
+        )
+        assert len(response.choices) == len(indices) * n
+        for choice in response.choices:
+            i = list(indices)[choice.index // n]
+            assert choice.text == expected[i], f"seed {seed}, length {lengths[i]}, n {n}"
+        assert response.usage.completion_tokens == 4 * n * len(indices)
