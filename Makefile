@@ -42,8 +42,10 @@ bench: setup
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/step_breakdown.py
 
-# The 5-minute chaos soak (docs/reliability.md): faults under load; exits non-zero on a hung or
-# wrong request, a leaked KV block or an orphaned process. tests/test_chaos.py runs a short one.
+# The 5-minute chaos soak (docs/reliability.md): faults under load, every answer compared with
+# the offline engine's; exits non-zero on a hung or wrong request, a stalled reader the sender
+# did not cut off, a leaked KV block or pin, or an orphaned process. tests/test_chaos.py runs a
+# short one.
 chaos: setup
 	$(PY) benchmarks/chaos.py --json-out benchmarks/results/chaos.json
 

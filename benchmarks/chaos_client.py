@@ -1,7 +1,9 @@
 """The chaos soak's requests (see ``benchmarks/chaos.py``).
 
-The fixed prompt pool (``Prompt``, ``prompt_pool``), ``Client``, which sends a prompt to the
-router and classifies how it ended (``Outcome``), and ``error_key``, to group alike failures.
+``Client`` sends a prompt of the pool (``chaos_reference``: token ids, n = 1 or 2) to
+one of the routers and classifies how it ended (``Outcome``): every choice is compared, token
+for token (``logprobs: 0`` names each generated token) and as text, with the offline engine's
+answer. ``error_key`` groups alike failures.
 """
 
 from __future__ import annotations
@@ -10,62 +12,25 @@ import asyncio
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from chaos_reference import Prompt, Reference
 from chaos_system import ChaosConfig
 
 OUTCOMES = ("correct", "wrong", "failed_clear", "failed_unclear", "hung", "disconnected")
-
-SYSTEM = "You are a concise assistant. Answer in one short sentence, without any preamble."
-COMPLETION_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village by the sea,",
-    "Translate to French: I would like a cup of coffee.",
-    "List three primary colors:",
-    "The derivative of x^2 is",
-    "Paged attention stores the KV cache in fixed-size blocks so that",
-    "A prefill worker computes the prompt; a decode worker then pulls its KV cache and",
-]
-CHAT_QUESTIONS = [
-    "What is the capital of Italy?",
-    "Name a prime number greater than ten.",
-    "What colour is the sky on a clear day?",
-    "How many legs does a spider have?",
-    "What does a compiler do?",
-    "Why do leaves change colour in autumn?",
-    "What is 12 times 7?",
-    "Give me a synonym for 'quick'.",
-]
+ROUTES = ("streamed", "whole")  # the hand-off: KV pulled while the prompt computes, or after
 
 
-# -- requests ----------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One choice of an answer as it came: text and tokens (as ``logprobs.tokens`` names
+    them), and whether it finished."""
 
-
-@dataclass(frozen=True)
-class Prompt:
-    """One entry of the fixed pool: where it goes and what it asks."""
-
-    key: str
-    chat: bool
-    content: dict[str, Any]  # {"prompt": ...} or {"messages": [...]}
-
-    @property
-    def path(self) -> str:
-        return "/v1/chat/completions" if self.chat else "/v1/completions"
-
-
-def prompt_pool() -> list[Prompt]:
-    """8 completions and 8 chats; the chats share a system prompt (a cached prefix)."""
-    pool = [
-        Prompt(f"completion-{i}", False, {"prompt": p}) for i, p in enumerate(COMPLETION_PROMPTS)
-    ]
-    for i, question in enumerate(CHAT_QUESTIONS):
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        pool.append(Prompt(f"chat-{i}", True, {"messages": messages}))
-    return pool
+    text: str = ""
+    tokens: list[str] = field(default_factory=list)
+    finished: bool = False
 
 
 @dataclass
@@ -75,19 +40,27 @@ class Outcome:
     kind: str
     prompt: str
     stream: bool
+    route: str
     seconds: float
     detail: str = ""
-    text: str = ""
+    choices: list[Choice] = field(default_factory=list)
 
 
 class Client:
-    """Sends pool prompts to the router and classifies what comes back."""
+    """Sends pool prompts to the routers (``urls``: route -> base URL) and judges the answers
+    against ``references``."""
 
-    def __init__(self, url: str, model: str, config: ChaosConfig):
-        self.url = url
+    def __init__(
+        self,
+        urls: dict[str, str],
+        model: str,
+        config: ChaosConfig,
+        refs: dict[str, list[Reference]],
+    ):
+        self.urls = urls
         self.model = model
         self.config = config
-        self.references: dict[str, str] = {}  # prompt key -> greedy text
+        self.references = refs
         limit = config.concurrency + config.burst + 4
         self.http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
@@ -96,86 +69,114 @@ class Client:
         )
 
     async def send(
-        self, prompt: Prompt, stream: bool, hang_up_after: int = 0, cancel_after: float = 0.0
+        self,
+        prompt: Prompt,
+        stream: bool,
+        route: str,
+        hang_up_after: int = 0,
+        cancel_after: float = 0.0,
     ) -> Outcome:
         """One request. ``hang_up_after``: close a stream after that many text chunks;
         ``cancel_after``: give up on a non-streaming answer after that many seconds."""
         start = time.monotonic()
-        body = {**prompt.content, "model": self.model, "max_tokens": self.config.max_tokens}
-        body |= {"temperature": 0, "stream": stream}
-        exchange = self._stream(prompt, body, hang_up_after) if stream else self._post(prompt, body)
+        body = {"prompt": list(prompt.token_ids), "model": self.model, "n": prompt.n}
+        body |= {"max_tokens": self.config.max_tokens, "logprobs": 0}
+        body |= {"temperature": prompt.temperature}
+        body |= {"seed": prompt.seed} if prompt.seed is not None else {}
+        body |= {"stream": stream}
+        url = self.urls[route] + "/v1/completions"
+        choices = [Choice() for _ in range(prompt.n)]
+        exchange = (
+            self._stream(url, body, choices, hang_up_after) if stream else self._post(url, body)
+        )
         limit = cancel_after or self.config.request_timeout
         try:
-            kind, text, detail = await asyncio.wait_for(exchange, limit)
+            kind, detail, got = await asyncio.wait_for(exchange, limit)
+            choices = got or choices
         except (asyncio.TimeoutError, httpx.TimeoutException) as exc:
-            kind, text = ("disconnected", "") if cancel_after else ("hung", "")
+            kind = "disconnected" if cancel_after else "hung"
             detail = f"no complete answer in {limit:g} s ({type(exc).__name__})"
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
-            kind, text, detail = "failed_unclear", "", f"{type(exc).__name__}: {exc}"
-        outcome = Outcome(kind, prompt.key, stream, time.monotonic() - start, detail, text)
-        return self._judge(outcome)
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            kind, detail = "failed_unclear", f"{type(exc).__name__}: {exc}"
+        seconds = time.monotonic() - start
+        return self._judge(Outcome(kind, prompt.key, stream, route, seconds, detail, choices))
 
     def _judge(self, outcome: Outcome) -> Outcome:
-        """completed -> correct | wrong; a clear failure's streamed text must be a prefix."""
-        reference = self.references.get(outcome.prompt)
-        if reference is None or outcome.kind not in ("completed", "failed_clear"):
+        """completed -> correct | wrong: every choice must equal the reference, token for
+        token; a clear failure's or a hang-up's streamed tokens must be a prefix of it."""
+        refs = self.references[outcome.prompt]
+        if outcome.kind not in ("completed", "failed_clear", "disconnected"):
             return outcome
-        if outcome.kind == "completed":
-            outcome.kind = "correct" if outcome.text == reference else "wrong"
-        elif not reference.startswith(outcome.text):
-            outcome.kind = "wrong"
-        if outcome.kind == "wrong":
-            outcome.detail = f"got {outcome.text!r}, expected {reference!r}; {outcome.detail}"
+        complete = outcome.kind == "completed"
+        for index, (choice, ref) in enumerate(zip(outcome.choices, refs)):
+            same = choice.tokens == list(ref.tokens) and choice.text == ref.text
+            prefix = list(ref.tokens[: len(choice.tokens)]) == choice.tokens
+            if (complete and not same) or (not complete and not prefix):
+                outcome.detail = (
+                    f"choice {index}: got {choice.tokens!r} ({choice.text!r}), expected "
+                    f"{list(ref.tokens)!r} ({ref.text!r}); {outcome.detail}"
+                )
+                outcome.kind = "wrong"
+                return outcome
+        if complete:
+            outcome.kind = "correct"
         return outcome
 
-    async def _post(self, prompt: Prompt, body: dict[str, Any]) -> tuple[str, str, str]:
-        answer = await self.http.post(self.url + prompt.path, json=body)
+    async def _post(self, url: str, body: dict[str, Any]) -> tuple[str, str, list[Choice]]:
+        answer = await self.http.post(url, json=body)
         if answer.status_code != 200:
-            return _error_answer(answer.status_code, answer.text)
-        choice = answer.json()["choices"][0]
-        text = (choice["message"]["content"] if prompt.chat else choice["text"]) or ""
-        return "completed", text, ""
+            return (*_error_answer(answer.status_code, answer.text), [])
+        choices = [Choice() for _ in range(body["n"])]
+        for item in answer.json()["choices"]:
+            choice = choices[item["index"]]
+            choice.text = item["text"] or ""
+            choice.tokens = list(item["logprobs"]["tokens"])
+            choice.finished = bool(item.get("finish_reason"))
+        if not all(c.finished for c in choices):
+            return "failed_unclear", "a choice without a finish_reason", choices
+        return "completed", "", choices
 
     async def _stream(
-        self, prompt: Prompt, body: dict[str, Any], hang_up_after: int
-    ) -> tuple[str, str, str]:
-        text, chunks, finished = "", 0, False
-        async with self.http.stream("POST", self.url + prompt.path, json=body) as answer:
+        self, url: str, body: dict[str, Any], choices: list[Choice], hang_up_after: int
+    ) -> tuple[str, str, list[Choice]]:
+        """Fills ``choices`` as chunks come (so that a timeout keeps what came)."""
+        chunks = 0
+        async with self.http.stream("POST", url, json=body) as answer:
             if answer.status_code != 200:
-                return _error_answer(answer.status_code, (await answer.aread()).decode())
+                return (*_error_answer(answer.status_code, (await answer.aread()).decode()), [])
             async for line in answer.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
-                    if finished:
-                        return "completed", text, ""
-                    return "failed_unclear", text, "[DONE] before any finish_reason"
+                    if all(c.finished for c in choices):
+                        return "completed", "", choices
+                    return "failed_unclear", "[DONE] before every finish_reason", choices
                 message = json.loads(data)
                 if "error" in message:
                     error = message["error"].get("message", message["error"])
-                    return "failed_clear", text, f"SSE error: {error}"
-                for choice in message.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    piece = delta.get("content") if prompt.chat else choice.get("text")
-                    text += piece or ""
-                    chunks += bool(piece)
-                    finished = finished or bool(choice.get("finish_reason"))
+                    return "failed_clear", f"SSE error: {error}", choices
+                for item in message.get("choices") or []:
+                    choice = choices[item["index"]]
+                    choice.text += item.get("text") or ""
+                    choice.tokens += (item.get("logprobs") or {}).get("tokens") or []
+                    chunks += bool(item.get("text"))
+                    choice.finished = choice.finished or bool(item.get("finish_reason"))
                 if hang_up_after and chunks >= hang_up_after:
-                    return "disconnected", text, f"hung up after {chunks} chunk(s)"
-        return "failed_unclear", text, "the stream ended without [DONE] or an error event"
+                    return "disconnected", f"hung up after {chunks} chunk(s)", choices
+        return "failed_unclear", "the stream ended without [DONE] or an error event", choices
 
     async def close(self) -> None:
         await self.http.aclose()
 
 
-def _error_answer(status: int, body: str) -> tuple[str, str, str]:
+def _error_answer(status: int, body: str) -> tuple[str, str]:
     """An HTTP error: clear when its body is an OpenAI error object."""
     try:
         message = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
-        return "failed_unclear", "", f"HTTP {status} without an OpenAI error body: {body[:200]!r}"
-    return "failed_clear", "", f"HTTP {status}: {message}"
+        return "failed_unclear", f"HTTP {status} without an OpenAI error body: {body[:200]!r}"
+    return "failed_clear", f"HTTP {status}: {message}"
 
 
 def error_key(detail: str) -> str:

@@ -1,13 +1,16 @@
 """The chaos soak's system under test and its processes (see ``benchmarks/chaos.py``).
 
 ``ChaosConfig`` (the soak's settings, read here and by ``chaos_client.Client``); ``UpProcess``,
-``pdserve up --restart`` as a child in its own session; process inspection (``alive``,
-``rss_mb``, ``processes_with_marker``, ``orphans``); ``WorkerScraper``, the workers' /metrics.
+``pdserve up --restart`` as a child in its own session; ``WholeRouter``, a second router on the
+same workers that hands the KV off after the prefill (``--no-stream-kv``) where up's streams it;
+process inspection (``alive``, ``rss_mb``, ``processes_with_marker``, ``orphans``);
+``WorkerScraper``, the workers' /metrics.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
 import signal
@@ -25,8 +28,21 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
+READY_PREFIX = "PDSERVE_READY "  # common/ready.py: a component's line once it listens
 
-FAULT_KINDS = ("prefill_kill", "redis_restart", "decode_kill", "client_disconnect", "worker_hang")
+# The round robin's default order: the kills first, then the KV peer's faults, whose checks
+# (three leases) end before the next kill at a fault every 6 s or more; the last fault, a
+# hang, needs no restart before the recovery.
+FAULT_KINDS = (
+    "prefill_kill",
+    "decode_kill",
+    "stalled_reader",
+    "lost_lease",
+    "redis_restart",
+    "client_disconnect",
+    "worker_hang",
+)
+ROUTES = ("streamed", "whole")  # up's router streams the KV hand-off; the second one does not
 MARKER_ENV = "PDSERVE_CHAOS_MARKER"  # read by nothing in pdserve: it only tags the processes
 
 
@@ -47,6 +63,11 @@ class ChaosConfig:
     disconnect_fraction: float = 0.1  # of the streaming requests, hang up after the first token
     burst: int = 4  # requests of a client_disconnect fault
     num_blocks: int = 256  # KV blocks per worker
+    lease_seconds: float = 3.0  # the prefill worker's --lease-seconds (short: leases run out)
+    routes: tuple[str, ...] = ROUTES  # hand-offs the clients use, each through its own router
+    prompts_per_residue: int = 2  # prompts of each length mod 16 in the pool
+    max_prompt_blocks: int = 20  # prompt lengths up to 16 times this
+    sampled: bool = True  # one prompt in three sampled with a seed (else all greedy)
     recovery_timeout: float = 180.0
     startup_timeout: float = 300.0
     json_out: str | None = None
@@ -61,6 +82,10 @@ class ChaosConfig:
             raise ValueError("--duration, --fault-interval and --request-timeout must be > 0")
         if self.concurrency < 1 or self.max_tokens < 1:
             raise ValueError("--concurrency and --max-tokens must be >= 1")
+        if not self.routes or set(self.routes) - set(ROUTES):
+            raise ValueError(f"--routes must name some of {ROUTES}, got {self.routes}")
+        if self.prompts_per_residue < 1 or self.max_prompt_blocks < 2:
+            raise ValueError("--prompts-per-residue must be >= 1, --max-prompt-blocks >= 2")
 
     @property
     def kv_fault_spec(self) -> str:
@@ -114,7 +139,10 @@ class UpProcess:
             "PDSERVE_KV_FAULTS": self.config.kv_fault_spec,
         }
         env |= {"PDSERVE_HEARTBEAT_SECONDS": "0.5", "PDSERVE_TTL_SECONDS": "2"}
-        env |= {"PDSERVE_DRAIN_SECONDS": "10"}
+        env |= {
+            "PDSERVE_DRAIN_SECONDS": "10",
+            "PDSERVE_LEASE_SECONDS": str(self.config.lease_seconds),
+        }
         return env
 
     def start(self) -> str:
@@ -191,6 +219,66 @@ class UpProcess:
         return self.proc.returncode
 
 
+class WholeRouter:
+    """A second router over up's Redis and workers, as up's router but with ``--no-stream-kv``
+    and any free port: the same workers then serve both hand-offs at once. Its command and
+    environment (the run's token, Redis password and marker) are copied from up's router."""
+
+    def __init__(self, log_path: Path):
+        self.log_path = log_path
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def start(self, router_pid: int, timeout: float) -> str:
+        """Spawn and wait for its ready line; RuntimeError if it does not come."""
+        source = psutil.Process(router_pid)
+        args = source.cmdline()
+        args[args.index("--port") + 1] = "0"
+        self.proc = subprocess.Popen(
+            [*args, "--no-stream-kv"],
+            cwd=ROOT,
+            env=source.environ(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
+        )
+        found = threading.Event()
+        threading.Thread(target=self._pump, args=(found,), daemon=True).start()
+        if not found.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"the second router did not start (see {self.log_path})")
+        return self.url
+
+    def _pump(self, found: threading.Event) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log_path, "w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(READY_PREFIX) and not found.is_set():
+                    self.url = json.loads(line[len(READY_PREFIX) :])["url"]
+                    found.set()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
 def _stop_with_parent() -> None:
     """In the child before exec: SIGTERM it (an orderly stop) if the soak itself dies."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -244,6 +332,10 @@ def orphans(marker: str, wait: float = 10.0) -> list[dict[str, Any]]:
 
 SAMPLES = {  # name in the report -> (Prometheus sample, labels it must carry)
     "kv_blocks_used": ("pdserve_kv_blocks", {"state": "used"}),
+    "pinned_requests": ("pdserve_pinned_requests", {}),  # prefill: pins waiting to be pulled
+    "pulling_requests": ("pdserve_pulling_requests", {}),  # decode: waiting for room or pulling
+    "kv_readers": ("pdserve_kv_readers", {}),  # prefill: transfers reading pinned blocks
+    "lease_expirations": ("pdserve_lease_expirations_total", {}),
     "kv_drop": ("pdserve_kv_transfer_faults_injected_total", {"kind": "drop"}),
     "kv_corrupt": ("pdserve_kv_transfer_faults_injected_total", {"kind": "corrupt"}),
     "pulls_pulled": ("pdserve_kv_pulls_total", {"outcome": "pulled"}),
@@ -265,12 +357,12 @@ class WorkerScraper:
         text = _get(f"http://127.0.0.1:{port}/metrics") if port else None
         if text is None:
             return None
-        values = dict.fromkeys(SAMPLES, 0.0)
+        values: dict[str, float] = {}  # a sample the worker does not export stays out
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 for key, (name, labels) in SAMPLES.items():
                     if sample.name == name and labels.items() <= sample.labels.items():
-                        values[key] += sample.value
+                        values[key] = values.get(key, 0.0) + sample.value
         self.last[pid] = values
         return values
 
@@ -288,7 +380,7 @@ class WorkerScraper:
         return None
 
     def total(self, key: str) -> float:
-        return sum(values[key] for values in self.last.values())
+        return sum(values.get(key, 0.0) for values in self.last.values())
 
 
 def _get(url: str, timeout: float = 2.0) -> str | None:
