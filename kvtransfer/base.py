@@ -56,6 +56,10 @@ FAILURE_REASONS = (
 )
 
 
+# The longest one send of a server waits for its reader when its source has no lease.
+DEFAULT_SEND_SECONDS = 10.0
+
+
 class TransferState(enum.Enum):
     """Where one pull is; see the module docstring for the transitions."""
 
@@ -246,15 +250,23 @@ class KVTransferServer(_Endpoint, abc.ABC):
         token: str | None = None,
         metrics: TransferMetrics | None = None,
         faults: KVFaults | None = None,
+        send_timeout: float | None = None,
     ):
         """The arguments every transport takes. A transport's own options (tcp's
         ``chunk_bytes``, shm's ``path`` ...) are keywords of its constructor, which passes these
-        on untouched: they are declared once, here."""
+        on untouched: they are declared once, here.
+
+        ``send_timeout``: the longest one send (a reply, a piece of a payload) may wait for its
+        reader; past it the connection is closed, the read ends and the pin can go, so a reader
+        that stops reading holds blocks no longer. By default the source's lease (the time a
+        pin lasts without news from its puller), else ``DEFAULT_SEND_SECONDS``."""
         super().__init__(metrics)
         self.source = source
         self.layout = layout
         self.token = token
         self.faults = faults
+        lease = getattr(source, "lease_seconds", None)
+        self.send_timeout = send_timeout or lease or DEFAULT_SEND_SECONDS
 
     @abc.abstractmethod
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:

@@ -73,11 +73,11 @@ class ShmKVServer(TcpKVServer):
                 if self.lent_rows(request.request_id, request.block_ids) is None:
                     raise TransferError("internal", "the shm transport needs a source of rows")
             except TransferError as exc:
-                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                await self._send(loop, conn, framing.error_reply(exc.reason, exc.detail))
                 return exc.reason not in ("refused", "protocol")
             if self.draw_fault() == "drop":  # close without a reply: the client fails at once
                 return False
-            await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, message, 0))
+            await self._send(loop, conn, framing.encode_reply(framing.STATUS_OK, message, 0))
             await self.pause_mid_transfer()
             done = await framing.read_request(loop, conn, timeout=DONE_TIMEOUT_SECONDS)
             if done.op != framing.OP_DONE:

@@ -1,27 +1,37 @@
-"""A reference :class:`~kvtransfer.base.BlockSource`: pinned rows of one KV cache tensor.
+"""The one owner of a prefill worker's pinned KV blocks: every pin state and every transition.
 
-The prefill worker pins a request's blocks when it answers Prefill and unpins them when the
-decode worker releases them or when the lease runs out, whichever comes first::
+A pin is keyed by its *handle*: a key unique per pin (:func:`pin_key`), which the KVHandle
+carries as its ``request_id``, so a late Release or renewal for an old attempt never touches a
+newer pin of the same request. The pin also names the engine's request, whose blocks
+``on_unpin(request_id)`` frees: it is called exactly once per pin, when the pin is dropped and
+no transfer reads its blocks, from whichever thread dropped it. Nothing else frees them; the
+transports and the services only ask this class::
 
-    pin() ──▶ pinned ──renew_lease()──▶ pinned ──release()──▶ gone
-                 └────────── lease expired (expire() or next access) ──▶ gone
+    pin() ──▶ pinned ──renew_lease()──▶ pinned ──release() / expire() / release_all()──▶ going
+                 │  ▲                                                                    │
+     reading() ──┘  └── the read ends                    the last reader leaves ─────────┤
+                                                                                         ▼
+                                                                       dropped: on_unpin(request id)
 
-A streamed pin (``pin(..., progress=...)``) is made while the prompt is still being computed:
-``ready_count`` says how many of a pull's blocks are computed so far, and ``finish`` adds what
-the prefill ends with (the first token), which the pull completing the prompt carries.
+A streamed pin (``pin(..., progress=...)``) is made when the prompt is admitted, while it is still
+being computed: ``ready_count`` says how many of a pull's blocks are computed so far, and
+``finish`` adds what the prefill ends with (the first token), which the pull completing the
+prompt carries. A whole pin is made after the first token. A streamed pin dropped before its
+prefill finished makes the engine abort that prefill (the owner of the engine frees the blocks
+of a request still computing by aborting it), so its PrefillStream ends at once.
 
 A transfer reads the blocks inside ``reading()``, which counts it as a reader: a release or an
 expiry that comes while a transfer reads only marks the pin as going (no new transfer may start
 on it) and the pin is dropped when its last reader leaves. So the blocks never return to the
-block pool, to be reused by the engine, while bytes are still being copied or sent out of them.
+block pool, to be reused by the engine, while bytes are still being copied or sent out of them;
+every transport bounds its sends by the lease, so a stalled reader holds a pin one lease at most.
 
 Thread-safe: the transfer server reads from worker threads while the engine pins and releases.
-``on_unpin`` (if given) is called with the request id when its blocks stop being pinned, from
-whichever thread dropped the pin, so the owner can give them back to its block pool.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,8 +44,14 @@ import torch
 from kvtransfer.base import block_checksums
 
 
+def pin_key(request_id: str) -> str:
+    """A handle for a new pin of ``request_id``: unique, so a handle outlives no attempt."""
+    return f"{request_id}@{secrets.token_hex(6)}"
+
+
 @dataclass
 class _Pin:
+    request_id: str  # the engine's request, whose blocks ``on_unpin`` frees
     block_ids: frozenset[int]
     expires_at: float
     readers: int = 0  # transfers reading the blocks now
@@ -49,7 +65,7 @@ class _Pin:
 
 
 class TensorBlockSource:
-    """Serves pinned rows of ``kv_cache`` ``[num_blocks, *block_shape]``."""
+    """Pinned rows of ``kv_cache`` ``[num_blocks, *block_shape]``, by handle."""
 
     def __init__(
         self,
@@ -67,40 +83,43 @@ class TensorBlockSource:
 
     def pin(
         self,
-        request_id: str,
+        key: str,
         block_ids: list[int],
         with_checksums: bool = True,
         progress: Callable[[], int] | None = None,
         num_tokens: int = 0,
+        request_id: str | None = None,
     ) -> list[int]:
-        """Pin ``block_ids`` for ``request_id``; returns their checksums (or [] if not asked).
+        """Pin ``block_ids`` under the handle ``key`` for the engine's ``request_id`` (``key``
+        itself when not given); returns their checksums (or [] if not asked).
 
         Streamed (``progress``: how many of the ``num_tokens`` prompt tokens are computed, read
         from any thread): the blocks fill as the prefill runs; no checksums yet."""
-        pin = _Pin(frozenset(block_ids), self._clock() + self.lease_seconds)
+        expires = self._clock() + self.lease_seconds
+        pin = _Pin(request_id if request_id is not None else key, frozenset(block_ids), expires)
         if progress is not None:
             pin.order, pin.progress, pin.num_tokens = list(block_ids), progress, num_tokens
         with self._lock:
-            self._pins[request_id] = pin
+            if key in self._pins:
+                raise ValueError(f"handle {key!r} is pinned already")
+            self._pins[key] = pin
         if not with_checksums or progress is not None:
             return []
         return block_checksums(self.kv_cache[torch.tensor(block_ids, dtype=torch.long)])
 
-    def finish(self, request_id: str, final: dict[str, Any]) -> None:
+    def finish(self, key: str, final: dict[str, Any]) -> None:
         """A streamed prefill is done: ``final`` (its first token ...) goes with the last pull."""
         with self._lock:
-            pin = self._pins.get(request_id)
+            pin = self._pins.get(key)
             if pin is not None:
                 pin.final = final
 
-    def ready_count(
-        self, request_id: str, block_ids: list[int]
-    ) -> tuple[int, dict[str, Any] | None]:
+    def ready_count(self, key: str, block_ids: list[int]) -> tuple[int, dict[str, Any] | None]:
         """How many leading ``block_ids`` are computed, and the prefill's final answer when
         they are the last of the prompt's blocks and it is known (KeyError: not pinned). A pin
         that is not streamed is ready at once, with no final answer."""
         with self._lock:
-            pin = self._checked(request_id, block_ids)
+            pin = self._checked(key, block_ids)
             if pin.order is None or pin.progress is None:
                 return len(block_ids), None
             order, computed, final = pin.order, pin.progress(), pin.final
@@ -117,39 +136,47 @@ class TensorBlockSource:
             return (ready, final) if final is not None else (max(0, ready - 1), None)
         return ready, None
 
-    def release(self, request_id: str) -> bool:
+    # ----- the transitions to ``going`` and ``dropped`` -----------------------------------------
+    def release(self, key: str) -> bool:
         """Unpin (once the transfers reading it are done); False if it was not pinned (already
         released or expired)."""
-        with self._lock:
-            pin = self._pins.get(request_id)
-            if pin is None or pin.going:
-                return False
-            dropped = self._drop_locked(request_id, pin)
-        if dropped:
-            self._unpinned(request_id)
-        return True
+        return bool(self._end(lambda k, pin: k == key))
 
     def expire(self) -> list[str]:
-        """Unpin every request whose lease has run out (those being read: when their transfers
-        end); returns the ids of those whose lease ran out now."""
+        """Unpin every pin whose lease has run out (those being read: when their transfers
+        end); returns the handles of those whose lease ran out now."""
         now = self._clock()
-        expired, dropped = [], []
+        return self._end(lambda key, pin: pin.expires_at <= now)
+
+    def release_all(self) -> list[str]:
+        """Abort-all (the worker drains or its engine failed): unpin every pin, each once its
+        transfers are done; returns their handles."""
+        return self._end(lambda key, pin: True)
+
+    def _end(self, which: Callable[[str, _Pin], bool]) -> list[str]:
+        """Unpin the pins ``which`` selects that are not going already: dropped at once when no
+        transfer reads them (``on_unpin``), else marked going. Returns their handles."""
+        ended, dropped = [], []
         with self._lock:
-            for rid, pin in list(self._pins.items()):
-                if pin.expires_at <= now and not pin.going:
-                    expired.append(rid)
-                    if self._drop_locked(rid, pin):
-                        dropped.append(rid)
-        for rid in dropped:
-            self._unpinned(rid)
-        return expired
+            for key, pin in list(self._pins.items()):
+                if pin.going or not which(key, pin):
+                    continue
+                ended.append(key)
+                if pin.readers:
+                    pin.going = True
+                else:
+                    del self._pins[key]
+                    dropped.append(pin.request_id)
+        for request_id in dropped:
+            self._unpinned(request_id)
+        return ended
 
     @contextmanager
-    def reading(self, request_id: str, block_ids: list[int]) -> Iterator[None]:
-        """Hold ``block_ids`` of a pinned request while a transfer reads them (KeyError if they
-        are not pinned for it): neither a release nor an expiry frees them meanwhile."""
+    def reading(self, key: str, block_ids: list[int]) -> Iterator[None]:
+        """Hold ``block_ids`` of a pin while a transfer reads them (KeyError if they are not
+        pinned under ``key``): neither a release nor an expiry frees them meanwhile."""
         with self._lock:
-            pin = self._checked(request_id, block_ids)
+            pin = self._checked(key, block_ids)
             pin.readers += 1
         try:
             yield
@@ -158,48 +185,44 @@ class TensorBlockSource:
                 pin.readers -= 1
                 last = pin.going and pin.readers == 0
                 if last:
-                    del self._pins[request_id]
+                    del self._pins[key]
             if last:
-                self._unpinned(request_id)
+                self._unpinned(pin.request_id)
 
-    def pinned_request_ids(self) -> list[str]:
+    def renew_lease(self, key: str) -> bool:
         with self._lock:
-            return [rid for rid, pin in self._pins.items() if not pin.going]
-
-    def is_pinned(self, request_id: str) -> bool:
-        """Pinned, lease running, and not on its way out (a new transfer may read it)."""
-        with self._lock:
-            pin = self._pins.get(request_id)
-            return pin is not None and not pin.going and pin.expires_at > self._clock()
-
-    def holds(self, request_id: str) -> bool:
-        """Whether the blocks are still held (pinned, or going but still being read)."""
-        with self._lock:
-            return request_id in self._pins
-
-    def renew_lease(self, request_id: str) -> bool:
-        with self._lock:
-            pin = self._pins.get(request_id)
+            pin = self._pins.get(key)
             if pin is None or pin.going or pin.expires_at <= self._clock():
                 return False
             pin.expires_at = self._clock() + self.lease_seconds
             return True
 
-    def _drop_locked(self, request_id: str, pin: _Pin) -> bool:
-        """Drop the pin now (True) or, while it is read, when its last reader leaves."""
-        if pin.readers:
-            pin.going = True
-            return False
-        del self._pins[request_id]
-        return True
+    # ----- questions ----------------------------------------------------------------------------
+    def is_pinned(self, key: str) -> bool:
+        """Pinned, lease running, and not on its way out (a new transfer may read it)."""
+        with self._lock:
+            pin = self._pins.get(key)
+            return pin is not None and not pin.going and pin.expires_at > self._clock()
+
+    def holds(self, key: str) -> bool:
+        """Whether the blocks are still held (pinned, or going but still being read)."""
+        with self._lock:
+            return key in self._pins
+
+    @property
+    def num_readers(self) -> int:
+        """Transfers reading pinned blocks now."""
+        with self._lock:
+            return sum(pin.readers for pin in self._pins.values())
 
     def _unpinned(self, request_id: str) -> None:
         if self._on_unpin is not None:
             self._on_unpin(request_id)
 
-    def read_blocks(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+    # ----- reading (inside ``reading``) ---------------------------------------------------------
+    def read_blocks(self, key: str, block_ids: list[int]) -> torch.Tensor:
         """A copy of the blocks, taken while holding them (see ``reading``)."""
-        with self.reading(request_id, block_ids):
+        with self.reading(key, block_ids):
             return self.copy_blocks(block_ids)
 
     def copy_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -207,11 +230,11 @@ class TensorBlockSource:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         return torch.index_select(self.kv_cache, 0, ids)
 
-    def block_rows(self, request_id: str, block_ids: list[int]) -> list[torch.Tensor]:
+    def block_rows(self, key: str, block_ids: list[int]) -> list[torch.Tensor]:
         """Views ``kv_cache[a:b]`` of each run of consecutive ids, in order (no copy): read them
         only inside ``reading()``."""
         with self._lock:
-            self._checked(request_id, block_ids)
+            self._checked(key, block_ids)
         rows: list[torch.Tensor] = []
         start = 0
         for i in range(1, len(block_ids) + 1):
@@ -220,11 +243,11 @@ class TensorBlockSource:
                 start = i
         return rows
 
-    def _checked(self, request_id: str, block_ids: list[int]) -> _Pin:
-        """The pin of ``request_id`` if it covers ``block_ids`` and may be read (hold the lock)."""
-        pin = self._pins.get(request_id)
+    def _checked(self, key: str, block_ids: list[int]) -> _Pin:
+        """The pin ``key`` if it covers ``block_ids`` and may be read (hold the lock)."""
+        pin = self._pins.get(key)
         if pin is None or pin.going or pin.expires_at <= self._clock():
-            raise KeyError(request_id)
+            raise KeyError(key)
         if not pin.block_ids.issuperset(block_ids):
-            raise KeyError(f"{request_id}: blocks not pinned for this request")
+            raise KeyError(f"{key}: blocks not pinned under this handle")
         return pin

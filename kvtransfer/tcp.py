@@ -12,7 +12,10 @@ with the total byte count -> send the bytes:
   memoryview while the next is gathered in a thread.
 
 A failure after the OK reply closes the connection, which the client sees as
-``connection_lost``. A malformed frame gets a ``protocol`` reply and closes that connection only.
+``connection_lost``. Every send has a deadline (``send_timeout``, the lease by default, for each
+piece of ``SEND_PIECE_BYTES``): a reader that stops reading is cut off, its read ends and the
+blocks it held can be freed. A malformed frame gets a ``protocol`` reply and closes that
+connection only.
 Injected faults (``faults=``, testing only): ``drop`` closes the connection after the OK reply,
 ``corrupt`` sends a copy of the payload with one byte flipped.
 
@@ -48,6 +51,9 @@ from kvtransfer.streaming import ready_pull
 INLINE_GATHER_BYTES = 1 << 20
 # Large pulls are gathered and sent in pieces of this size, so gathering overlaps sending.
 DEFAULT_CHUNK_BYTES = 8 << 20
+# A send waits at most ``send_timeout`` (the lease) for each piece of this size: a reader that
+# takes no piece for that long has stalled.
+SEND_PIECE_BYTES = 8 << 20
 
 
 class TcpKVServer(KVTransferServer):
@@ -83,10 +89,10 @@ class TcpKVServer(KVTransferServer):
                 request = await framing.read_request(loop, conn, self.check_token)
             except framing.ProtocolError as exc:
                 self._record_failure("protocol")
-                await loop.sock_sendall(conn, framing.error_reply("protocol", str(exc)))
+                await self._send(loop, conn, framing.error_reply("protocol", str(exc)))
                 return
             except TransferError as exc:  # refused: the rest of the frame is never read
-                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                await self._send(loop, conn, framing.error_reply(exc.reason, exc.detail))
                 return
             except (ConnectionError, EOFError, asyncio.TimeoutError):
                 return
@@ -107,7 +113,7 @@ class TcpKVServer(KVTransferServer):
                 chunks = self._chunks(request.block_ids)
                 first = None if rows is not None else await self._gather(request, chunks[0])
             except TransferError as exc:
-                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                await self._send(loop, conn, framing.error_reply(exc.reason, exc.detail))
                 return exc.reason not in ("refused", "protocol")
             fault = self.draw_fault()
             if fault == "corrupt":  # a flipped copy: the KV cache itself stays intact
@@ -119,17 +125,20 @@ class TcpKVServer(KVTransferServer):
             num_bytes = len(request.block_ids) * self.layout.bytes_per_block
             try:
                 reply = framing.encode_reply(framing.STATUS_OK, message, num_bytes)
-                await loop.sock_sendall(conn, reply)
+                await self._send(loop, conn, reply)
                 if fault == "drop":  # close with no payload: the client fails now
                     return False
                 if rows is not None:  # straight from the KV cache: the kernel's copy only
                     for i, row in enumerate(rows):
-                        await loop.sock_sendall(conn, tensor_bytes(row))
+                        await self._send(loop, conn, tensor_bytes(row))
                         if i == 0:
                             await self.pause_mid_transfer()
                 else:
                     assert first is not None
                     await self._stream(loop, conn, request, first, chunks[1:])
+            except TimeoutError as exc:  # the reader stopped reading: its blocks may go
+                self._record_failure("timeout")
+                raise ConnectionResetError(f"reader stalled for {self.send_timeout}s") from exc
             except (ConnectionError, OSError) as exc:
                 self._record_failure("connection_lost")
                 raise ConnectionResetError(f"client went away mid-transfer: {exc!r}") from exc
@@ -174,12 +183,23 @@ class TcpKVServer(KVTransferServer):
         for ids in rest:
             gathering = asyncio.ensure_future(self._gather(request, ids))
             try:
-                await loop.sock_sendall(conn, tensor_bytes(current))
+                await self._send(loop, conn, tensor_bytes(current))
             except BaseException:
                 gathering.cancel()
                 raise
             current = await gathering
-        await loop.sock_sendall(conn, tensor_bytes(current))
+        await self._send(loop, conn, tensor_bytes(current))
+
+    async def _send(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, data: bytes | memoryview
+    ) -> None:
+        """Hand ``data`` to the socket, each piece of ``SEND_PIECE_BYTES`` within
+        ``send_timeout`` (TimeoutError: the reader stalled; the caller closes the connection,
+        which ends the read and lets the pin go)."""
+        view = memoryview(data).cast("B")
+        for start in range(0, max(len(view), 1), SEND_PIECE_BYTES):
+            piece = view[start : start + SEND_PIECE_BYTES]
+            await asyncio.wait_for(loop.sock_sendall(conn, piece), self.send_timeout)
 
     async def _gather(self, request: framing.Request, block_ids: list[int]) -> torch.Tensor:
         """Blocks of ``request`` in host memory (in a worker thread unless small)."""

@@ -132,14 +132,20 @@ class TorchKVServer(KVTransferServer):
                     await self._serve_pull(loop, conn, group, request)
             except framing.ProtocolError as exc:
                 self._record_failure("protocol")
-                await loop.sock_sendall(conn, framing.error_reply("protocol", str(exc)))
+                await self._reply(loop, conn, framing.error_reply("protocol", str(exc)))
                 return
             except TransferError as exc:
-                await loop.sock_sendall(conn, framing.error_reply(exc.reason, exc.detail))
+                await self._reply(loop, conn, framing.error_reply(exc.reason, exc.detail))
                 if exc.reason in ("refused", "protocol", "internal"):
                     return
             except (ConnectionError, EOFError, asyncio.TimeoutError):
                 return
+
+    async def _reply(
+        self, loop: asyncio.AbstractEventLoop, conn: socket.socket, frame: bytes
+    ) -> None:
+        """A reply frame within ``send_timeout`` (a peer that stops reading is cut off)."""
+        await asyncio.wait_for(loop.sock_sendall(conn, frame), self.send_timeout)
 
     async def _connect(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request: framing.Request
@@ -151,7 +157,7 @@ class TorchKVServer(KVTransferServer):
         assert self._store is not None, "server not started"
         pair_id = uuid.uuid4().hex
         reply = json.dumps({"pair": pair_id, "backend": self.backend})
-        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, reply))
+        await self._reply(loop, conn, framing.encode_reply(framing.STATUS_OK, reply))
         host = conn.getsockname()[0]
         try:
             return await asyncio.to_thread(
@@ -181,7 +187,7 @@ class TorchKVServer(KVTransferServer):
             assert self.faults is not None
             blocks = self.faults.corrupted(blocks)
         num_bytes = blocks.numel() * blocks.element_size()
-        await loop.sock_sendall(conn, framing.encode_reply(framing.STATUS_OK, message, num_bytes))
+        await self._reply(loop, conn, framing.encode_reply(framing.STATUS_OK, message, num_bytes))
         if not num_bytes:  # a streamed part with nothing ready yet
             return
         try:

@@ -282,23 +282,30 @@ class UcxKVServer(KVTransferServer):
                 blocks = await asyncio.to_thread(self.read_blocks, *args[:2])
         except framing.ProtocolError as exc:
             self._record_failure("protocol")
-            await _send_frame(ep, framing.error_reply("protocol", str(exc)))
+            await self._within(_send_frame(ep, framing.error_reply("protocol", str(exc))))
             return False
         except TransferError as exc:
-            await _send_frame(ep, framing.error_reply(exc.reason, exc.detail))
+            await self._within(_send_frame(ep, framing.error_reply(exc.reason, exc.detail)))
             return exc.reason not in ("refused", "protocol")
         fault = self.draw_fault()
         if fault == "corrupt":
             assert self.faults is not None
             blocks = self.faults.corrupted(blocks)
         num_bytes = blocks.numel() * blocks.element_size()
-        await _send_frame(ep, framing.encode_reply(framing.STATUS_OK, message, num_bytes))
+        await self._within(
+            _send_frame(ep, framing.encode_reply(framing.STATUS_OK, message, num_bytes))
+        )
         if fault == "drop":  # the endpoint is closed with no payload: the client fails at once
             return False
         if num_bytes:  # a streamed part may have nothing ready yet
-            await ep.send(_payload(blocks))
+            await self._within(ep.send(_payload(blocks)))
         self.record_sent(num_bytes, time.perf_counter() - start)
         return True
+
+    async def _within(self, send: Any) -> None:
+        """A send within ``send_timeout``: a peer that takes nothing for that long is cut off
+        (TimeoutError: the endpoint is aborted)."""
+        await asyncio.wait_for(send, self.send_timeout)
 
     async def _read_request(self, ep: Any) -> framing.Request:
         """Header and token, checked, then the rest (refused: the rest is never taken)."""

@@ -244,7 +244,9 @@ class Worker:
         if cfg.role in ("prefill", "colocated"):
             loop = asyncio.get_running_loop()
 
-            def on_unpin(request_id: str) -> None:  # from any thread: a transfer's or ours
+            # The pins' one owner: it calls this once per pin, when the pin ended and no
+            # transfer reads its blocks any more (from any thread: a transfer's or ours).
+            def on_unpin(request_id: str) -> None:
                 loop.call_soon_threadsafe(self._free_pinned, request_id)
 
             leases = TensorBlockSource(self.engine.kv_cache, cfg.lease_seconds, on_unpin=on_unpin)
@@ -348,8 +350,7 @@ class Worker:
         while self._num_active() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.prefill is not None:  # nobody will pull what is still pinned
-            for request_id in self.prefill.leases.pinned_request_ids():
-                self.prefill.leases.release(request_id)
+            self.prefill.leases.release_all()  # each freed once its transfers are done
             await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _shutdown(self) -> None:

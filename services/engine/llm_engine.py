@@ -32,7 +32,7 @@ from services.engine.outputs import RequestOutput
 from services.engine.request_builder import RequestBuilder
 from services.engine.sampler import Sampler, SampleResult
 from services.engine.scheduler import ScheduledBatch, Scheduler
-from services.engine.sequence import FinishReason, Sequence
+from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 from services.engine.stats import EngineStats
 from services.engine.tokenizer import Tokenizer
 
@@ -139,14 +139,23 @@ class LLMEngine:
         self._requests[request_id] = request
         return None
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output (or None)."""
+    def abort_request(self, request_id: str, keep_pinned: bool = False) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output (or None).
+
+        ``keep_pinned``: a prefill-only request's blocks stay pinned (a transfer may read them)
+        until ``release_pinned``, which its pin's owner calls once no transfer does."""
         request = self._requests.pop(request_id, None)
-        self.handoff.release(request_id)  # pinned blocks no lease will cover
+        if not keep_pinned:
+            self.handoff.release(request_id)  # pinned blocks no lease will cover
         if request is None:
             return None
         for seq in request.seqs:
-            self._finish(seq, FinishReason.ABORT)
+            if keep_pinned and seq.pin_blocks and seq.status == SequenceStatus.RUNNING:
+                self.handoff.pin(seq)
+                seq.finish_reason = FinishReason.ABORT
+                self.sampler.forget(seq)
+            else:
+                self._finish(seq, FinishReason.ABORT)
         output = self.outputs.output(request)
         output.finished = True
         return output

@@ -3,8 +3,13 @@
 A request's life here: queued -> computing (chunked prefill in the engine's batch, prefix cache
 reused) -> first token sampled -> pinned (lease granted, KVHandle returned) -> released by the
 decode worker, or expired when its lease runs out. Nothing stays pinned past its lease, and
-nothing is freed while a transfer reads it: the lease table (``TensorBlockSource``) calls back
-to free the engine's blocks once the last transfer reading them is done.
+nothing is freed while a transfer reads it: the pins' one owner (``TensorBlockSource``) makes
+every transition and calls back to free the engine's blocks once the last transfer reading them
+is done. A pin is named by a handle unique to it (``pin_key``: the KVHandle's ``request_id``),
+so a late Release of an earlier attempt with the same request id cannot end a newer pin.
+
+A prefill that cannot finish ends its call at once with ABORTED: a streamed one whose pin ended
+(lease expired, released) while it still computed, or one the engine aborted (a failed step).
 
 Traced as a ``prefill`` span (a child of the router's call, from the call's metadata) with
 ``prefill.queue`` (admitted -> first scheduled) and ``prefill.compute`` (first scheduled -> first
@@ -27,7 +32,7 @@ from common import tracing
 from common.sampling_params import SamplingParams
 from common.wire import logprobs_to_proto, params_from_proto
 from kvtransfer.base import KVLayout, block_checksums
-from kvtransfer.source import TensorBlockSource
+from kvtransfer.source import TensorBlockSource, pin_key
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
 from services.engine.outputs import RequestOutput
@@ -120,7 +125,11 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             except ValueError as exc:
                 self.metrics.requests.labels(outcome="invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        assert final is not None and final.kv_block_ids is not None
+        assert final is not None
+        if final.kv_block_ids is None:  # aborted (a failed engine step): nothing to lend
+            await asyncio.shield(self.engine.abort(rid))  # frees what it kept pinned
+            await self._aborted(context, "the prefill was aborted (engine failure)")
+        assert final.kv_block_ids is not None
         if span.is_recording():
             _trace_prefill(span, seqs[0], final.num_cached_tokens, len(final.kv_block_ids))
         response = _response(final, seqs[0])
@@ -130,10 +139,11 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             return response
         # Grant the lease before any await: from here on the reaper frees the blocks even if
         # this call is cancelled.
-        self.leases.pin(rid, final.kv_block_ids, with_checksums=False)
-        blocks = self.leases.read_blocks(rid, final.kv_block_ids)
+        key = pin_key(rid)
+        self.leases.pin(key, final.kv_block_ids, with_checksums=False, request_id=rid)
+        blocks = self.leases.read_blocks(key, final.kv_block_ids)
         checksums = await asyncio.to_thread(block_checksums, blocks)
-        response.kv.CopyFrom(self._handle(rid, final.kv_block_ids, len(seqs[0].prompt_token_ids)))
+        response.kv.CopyFrom(self._handle(key, final.kv_block_ids, len(seqs[0].prompt_token_ids)))
         response.kv.checksums.extend(checksums)
         self.metrics.requests.labels(outcome="pinned").inc()
         return response
@@ -141,8 +151,10 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
     async def _prefill_streamed(self, request, params, context, span: Span):  # type: ignore[no-untyped-def]
         """The handle as soon as the prompt's blocks are reserved (they are pulled while the
         rest is computed), then the answer. The lease decides when the blocks go: a call that
-        ends early releases it, and the engine frees (or aborts) once no transfer reads them."""
+        ends early releases it, and the engine frees (or aborts) once no transfer reads them.
+        A pin that ends while the prompt computes aborts the prefill: the call ends ABORTED."""
         rid, tokens = request.request_id, list(request.token_ids)
+        key = pin_key(rid)
         added, leased, final = False, False, None
         try:
             with self.metrics.prefill_seconds.time():
@@ -154,25 +166,29 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 block_ids = await self.engine.prefill_admitted(rid)
                 seq = seqs[0]
+                progress = lambda: seq.num_computed_tokens  # noqa: E731
                 self.leases.pin(
-                    rid, block_ids, progress=lambda: seq.num_computed_tokens, num_tokens=len(tokens)
+                    key, block_ids, progress=progress, num_tokens=len(tokens), request_id=rid
                 )
                 leased = True
-                yield pb.PrefillEvent(kv=self._handle(rid, block_ids, len(tokens), streaming=True))
+                yield pb.PrefillEvent(kv=self._handle(key, block_ids, len(tokens), streaming=True))
                 async for output in self.engine.outputs(rid, stream, abort_on_exit=False):
                     final = output if final is None else _merged(final, output)
             assert final is not None
+            if final.outputs[0].finish_reason == "abort":
+                ended = not self.leases.is_pinned(key)  # else the engine failed a step
+                await self._aborted(context, _LEASE_ENDED if ended else "the prefill was aborted")
             if span.is_recording():
                 _trace_prefill(span, seq, final.num_cached_tokens, len(block_ids))
             response = _response(final, seq)
-            self.leases.finish(rid, _final(response))
+            self.leases.finish(key, _final(response))
             if response.finish_reason:  # nothing to decode: the blocks may go
-                self.leases.release(rid)
+                self.leases.release(key)
             outcome = "finished" if response.finish_reason else "pinned"
             self.metrics.requests.labels(outcome=outcome).inc()
         except BaseException:
             if leased:  # freed (or aborted) once no transfer reads the blocks
-                self.leases.release(rid)
+                self.leases.release(key)
             elif added:  # never abort a refused call's id: it may name another live request
                 await asyncio.shield(self.engine.abort(rid))
             raise
@@ -180,12 +196,17 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         # the call) must not end the lease the decode worker still pulls under.
         yield pb.PrefillEvent(done=response)
 
+    async def _aborted(self, context: grpc.aio.ServicerContext, detail: str) -> None:
+        self.metrics.requests.labels(outcome="aborted").inc()
+        log.info("prefill aborted: %s", detail)
+        await context.abort(grpc.StatusCode.ABORTED, detail)
+
     def _handle(
-        self, request_id: str, block_ids: list[int], num_tokens: int, streaming: bool = False
+        self, key: str, block_ids: list[int], num_tokens: int, streaming: bool = False
     ) -> pb.KVHandle:
         ident = self.identity
         return pb.KVHandle(
-            request_id=request_id,
+            request_id=key,  # the pin's handle: what pulls, Release and RenewLease name
             prefill_worker_id=ident.worker_id,
             transport=ident.kv_transport,
             address=ident.kv_address,
@@ -201,7 +222,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
     async def Release(  # noqa: N802
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
-        # The blocks go back to the engine when no transfer reads them any more (``on_unpin``).
+        # ``request_id`` is the handle's: the pin's key. The blocks go back to the engine when
+        # no transfer reads them any more (``on_unpin``).
         return pb.ReleaseResponse(released=self.leases.release(request.request_id))
 
     async def RenewLease(  # noqa: N802
@@ -220,6 +242,9 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
                 log.info("lease of %s expired; freeing its blocks", request_id)
                 self.metrics.lease_expirations.inc()
             await asyncio.sleep(interval)
+
+
+_LEASE_ENDED = "the lease ended (expired or released) before the prefill finished"
 
 
 def _span(request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> Span:

@@ -143,7 +143,17 @@ class AsyncEngine:
 
     # ----- disaggregation ---------------------------------------------------------------------
     async def release_pinned(self, request_id: str) -> bool:
-        return await self._call(self.engine.release_pinned, request_id)
+        """Free a prefill-only request's pinned blocks (its pin's owner calls this once no
+        transfer reads them); one still computing (a streamed prefill whose lease ended) is
+        aborted and its stream ends at once with the aborted output. False: nothing held."""
+
+        def release() -> bool:
+            if request_id not in self.engine.running_request_ids():
+                return self.engine.release_pinned(request_id)
+            self._put(self.engine.abort_request(request_id))
+            return True
+
+        return await self._call(release)
 
     async def add_prefilled(
         self,
@@ -258,9 +268,7 @@ class AsyncEngine:
             self._deliver_admissions()
             self.num_steps += 1
             for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    stream.put(output)
+                self._put(output)
             self._stats = self.engine.stats()
             if not self.engine.num_running and not admitted:  # nothing admissible now
                 self._wake.clear()
@@ -293,9 +301,17 @@ class AsyncEngine:
         if pending:
             self._stats = self.engine.stats()
 
+    def _put(self, output: RequestOutput | None) -> None:
+        stream = self._streams.get(output.request_id) if output is not None else None
+        if stream is not None:
+            assert output is not None
+            stream.put(output)
+
     def _abort_all(self) -> list[RequestOutput]:
+        """Abort every running request; a prefill-only one keeps its blocks pinned (a transfer
+        may read them): its service ends its pin, whose owner frees them after the last read."""
         running = self.engine.running_request_ids()
-        aborted = [self.engine.abort_request(rid) for rid in running]
+        aborted = [self.engine.abort_request(rid, keep_pinned=True) for rid in running]
         return [out for out in aborted if out is not None]
 
 

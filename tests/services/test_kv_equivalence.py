@@ -173,7 +173,8 @@ async def _streamed_pull(
         client = kvtransfer.make_client(transport, token=TOKEN)
         try:
             ids = [handle.block_ids[i] for i in plan.block_indices]
-            result = await client.pull_streamed(handle.address, rid, ids, layout, 30.0)
+            key = handle.request_id  # the pin's handle
+            result = await client.pull_streamed(handle.address, key, ids, layout, 30.0)
         finally:
             await client.close()
         answer = (await call.read()).done

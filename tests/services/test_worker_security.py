@@ -196,11 +196,12 @@ def test_kv_pulls_without_the_cluster_token_are_refused_and_counted(workers, tok
     answer = _pinned(p, tokenizer, "kv-token")
     handle, blocks = answer.kv, list(answer.kv.block_ids)
     before = _failures(p, "refused")
-    assert _pull(handle, None, "kv-token", blocks) == "refused"
-    assert _pull(handle, "not-" + TOKEN, "kv-token", blocks) == "refused"
+    key = handle.request_id  # the pin's handle
+    assert _pull(handle, None, key, blocks) == "refused"
+    assert _pull(handle, "not-" + TOKEN, key, blocks) == "refused"
     assert _failures(p, "refused") == before + 2
-    assert _pull(handle, TOKEN, "kv-token", blocks) == "ok"  # the refusals cost it nothing
-    assert _release(p, "kv-token")
+    assert _pull(handle, TOKEN, key, blocks) == "ok"  # the refusals cost it nothing
+    assert _release(p, key)
 
 
 def test_a_forged_pull_for_a_request_never_reserved_is_refused(workers, tokenizer):
@@ -209,12 +210,14 @@ def test_a_forged_pull_for_a_request_never_reserved_is_refused(workers, tokenize
     answer = _pinned(p, tokenizer, "kv-real")
     handle, blocks = answer.kv, list(answer.kv.block_ids)
     before = _failures(p, "unknown_request")
+    key = handle.request_id  # the pin's handle: the request id alone names no pin
     assert _pull(handle, TOKEN, "kv-forged", blocks) == "unknown_request"
+    assert _pull(handle, TOKEN, "kv-real", blocks) == "unknown_request"
     other = [b for b in range(128) if b not in blocks][:1]  # a block the request does not hold
-    assert _pull(handle, TOKEN, "kv-real", other) == "unknown_request"
-    assert _release(p, "kv-real")
-    assert _pull(handle, TOKEN, "kv-real", blocks) == "unknown_request"  # released: gone
-    assert _failures(p, "unknown_request") == before + 3
+    assert _pull(handle, TOKEN, key, other) == "unknown_request"
+    assert _release(p, key)
+    assert _pull(handle, TOKEN, key, blocks) == "unknown_request"  # released: gone
+    assert _failures(p, "unknown_request") == before + 4
 
 
 # -- malformed and hostile messages --------------------------------------------------------------
