@@ -326,8 +326,8 @@ class DecodeServiceServicer:
         first_token (streamed, as soon as P's kv event came).
         With kv, D: checks the handle; queues the request; waits for its scheduler to reserve
         blocks for the KV, renewing P's lease meanwhile (no deadline but the call's); pulls the
-        blocks its prefix cache lacks (see "The KV pull"); then, whatever the outcome, sends
-        Release to P in the background; decodes. A failed pull, or blocks gone before it: D
+        blocks its prefix cache lacks (see "The KV pull"); then sends Release to P in the
+        background, whatever the outcome but ABORTED (below); decodes. A failed pull, or blocks gone before it: D
         computes the prompt itself when it has the first token (kv_source "recomputed"; with
         --on-pull-failure fail it answers UNAVAILABLE instead), else it answers ABORTED.
         Deadline: R's --request-timeout-seconds (600 s), counted from the start of the decode
@@ -349,12 +349,12 @@ class DecodeServiceServicer:
         sends Release too (a second Release is harmless).
         ABORTED: only for a streaming kv without first_token: the streamed pull failed, or the
         blocks were gone before it (RenewLease said no); D has nothing to recompute from
-        ("ask again with the first token"); it released the handle -> R does not count the
-        worker as failed: it waits for P's done answer, then asks again (this worker first)
-        with first_token set; that attempt computes the prompt on D (kv_source "recomputed").
-        Each ABORTED uses one of the --max-attempts (3). If D's Release reached P while P
-        still computed, P's answer never comes (see PrefillStream's known gap): R's wait for
-        it ends with the PrefillStream deadline.
+        ("ask again with the first token"); it leaves the handle pinned (a Release would
+        abort P's prefill, still computing, and its answer would never come) -> R does not
+        count the worker as failed: it waits for P's done answer, then asks again (this
+        worker first) with first_token set and the same handle; that attempt pulls again
+        while the blocks last, else computes the prompt on D (kv_source "recomputed").
+        Each ABORTED uses one of the --max-attempts (3).
         DEADLINE_EXCEEDED, CANCELLED, UNKNOWN, INTERNAL (D failed) -> R tries another decode
         worker with the same request (an attempt after P's answer carries first_token).
         Any error after the first chunk -> R ends the request with a mid-stream error (502);

@@ -5,7 +5,10 @@ are reserved in the pool, so pulls in flight count against capacity) -> pulling 
 the local prefix cache lacks; checksums verified) -> running (continuous batch, tokens streamed)
 -> finished | aborted. If the pull fails, the prompt is recomputed here (or the request fails,
 ``on_pull_failure="fail"``); unverified blocks are never decoded from. The prefill worker is told
-to release its blocks as soon as the pull is over, whatever its outcome.
+to release its blocks as soon as the pull is over, whatever its outcome, except when this worker
+answers ABORTED (a streamed pull failed before the first token came): the router then asks again
+with the first token, and a Release now would abort a prefill still computing; the router's own
+Release or the lease ends that pin.
 
 Without a KVHandle (a colocated worker, or a request sent straight to it) the prompt is computed
 here.
@@ -65,6 +68,9 @@ class _Timeline:
     transfer_s: float = 0.0  # the KV pull, all of it
     transfer_exposed_s: float = 0.0  # the part of it after the prefill worker was done
     first_token_known: bool = True  # False: streamed KV, the first token comes with it
+    # ABORTED back to the router, which asks again with the first token: the prefill worker's
+    # blocks are left pinned for that retry (a Release would abort a prefill still computing).
+    keep_handle: bool = False
 
     def timings(self) -> pb.PhaseTimings:
         """Queue (KV in place, or arrival, -> first step), first step, and the pull."""
@@ -247,13 +253,15 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 if plan is None:  # the prefill worker's blocks are gone
                     if not timeline.first_token_known:  # nothing to recompute from
                         self.metrics.pulls.labels(outcome="failed").inc()
+                        timeline.keep_handle = True
                         await context.abort(grpc.StatusCode.ABORTED, _RETRY_WITH_FIRST_TOKEN)
                     timeline.ready = await self.engine.recompute_pull(rid)
                     self.metrics.pulls.labels(outcome="recomputed").inc()
                     return "recomputed"
                 return await self._pull(plan, handle, timeline, context)
         finally:
-            self._spawn(self.prefill_client.release(handle))
+            if not timeline.keep_handle:
+                self._spawn(self.prefill_client.release(handle))
 
     async def _admitted(self, rid: str, handle: pb.KVHandle) -> PullPlan | None:
         """The plan once the scheduler admits the request (backpressure, not failure). While it
@@ -325,6 +333,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 self.metrics.pulls.labels(outcome="failed").inc()
                 if not timeline.first_token_known:
                     detail = f"KV pull failed ({error}); {_RETRY_WITH_FIRST_TOKEN}"
+                    timeline.keep_handle = True
                     await context.abort(grpc.StatusCode.ABORTED, detail)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV pull failed: {error}")
             log.warning("KV pull of %s failed (%s); recomputing the prompt", plan.request_id, error)
@@ -335,7 +344,13 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         final = pulled.final or {}
         first_token = final.get("first_token") if not timeline.first_token_known else None
         logprobs = {int(t): v for t, v in (final.get("logprobs") or {}).items()} or None
-        timeline.ready = await self.engine.commit_pull(plan, pulled.blocks, first_token, logprobs)
+        try:
+            timeline.ready = await self.engine.commit_pull(
+                plan, pulled.blocks, first_token, logprobs
+            )
+        except ValueError as exc:  # the prefill worker's first token is not one of this model's
+            self.metrics.pulls.labels(outcome="failed").inc()
+            await context.abort(grpc.StatusCode.INTERNAL, f"the prefill worker's answer: {exc}")
         self.metrics.pulls.labels(outcome="pulled").inc()
         return "pulled"
 
