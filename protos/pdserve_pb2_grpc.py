@@ -112,10 +112,11 @@ class PrefillServiceServicer:
         DEADLINE_EXCEEDED, CANCELLED, UNKNOWN, INTERNAL -> R cancels the decode call it started
         on the kv event (D aborts and releases) and tries another prefill worker with a new
         request_id; its handle is not released by R (P released it when the call ended).
+        ABORTED (after the kv event): the pin ended while P still computed (its lease ran out
+        unrenewed, or a Release came) or P's engine aborted the prefill: the computation is
+        stopped, its blocks freed once no transfer reads them, and this call ends at once ->
+        R cancels the decode call and tries another prefill worker with a new request_id.
         A stream that ends OK without a done event -> R answers 502.
-        Known gap (issue #30): when the pin ends while P still computes (its lease ran out, or D
-        released it after a failed streamed pull), the computation is aborted but this call is
-        not told: it waits for an answer until R's deadline (120 s) ends it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
