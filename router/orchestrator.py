@@ -26,54 +26,25 @@ No tensors here: token ids and text only.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 
-import grpc
 from opentelemetry import trace
 
-from common import tracing
 from common.sampling_params import sequence_seed
-from common.wire import params_to_proto
 from protos import pdserve_pb2 as pb
-from protos import pdserve_pb2_grpc as pb_grpc
+from router.chunks import Chunk, SubRequest, entries
 from router.config import RouterConfig
 from router.disaggregation import Decision, RequestFacts, make_disaggregation_policy
 from router.errors import APIError
 from router.metrics import RouterMetrics
 from router.policies import PolicyContext, PrefixIndex, RouteRequest, RoutingPolicy, make_policy
 from router.relay import Relay
-from router.worker_calls import (
-    Chunk,
-    SubRequest,
-    WorkerCalls,
-    attempt_id,
-    attempt_span,
-    entries,
-)
+from router.worker_calls import Handoff, WorkerCalls
 from services.registry import RegistryView, Role, WorkerRecord
 
 WorkerFilter = Callable[[WorkerRecord], str | None]  # None: the router may use it, else why not
-
-
-@dataclass
-class _Decoding:
-    """A decode call running on a streaming handle: its request (the first token goes in once
-    known, for the attempts after it) and its chunks."""
-
-    request: pb.GenerateRequest
-    relay: Relay[Chunk]
-    first_token_known: asyncio.Event
-
-    def know(self, answer: pb.PrefillResponse) -> None:
-        """The prefill's answer came: attempts from now on carry its first token (a decode
-        worker can then recompute the prompt if its pull fails)."""
-        self.request.first_token = answer.first_token
-        self.request.first_logprobs.CopyFrom(answer.logprobs)
-        self.first_token_known.set()
 
 
 class Orchestrator:
@@ -206,11 +177,8 @@ class Orchestrator:
         self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
     ) -> AsyncGenerator[Chunk, None]:
         """The decode worker computes the prompt itself (no KV transfer)."""
-        request = pb.GenerateRequest(
-            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(sub.params)
-        )
-        stream = self.calls.stream(
-            "decode", sub, route, request, self.decode_candidates, first_choice=decode
+        stream = self.calls.generate(
+            "decode", sub, route, self.decode_candidates, first_choice=decode
         )
         # The prompt is in the decode worker's local prefill queue until its first token.
         queued = len(sub.prompt_token_ids)
@@ -228,152 +196,66 @@ class Orchestrator:
     async def _disaggregated(
         self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
     ) -> AsyncGenerator[Chunk, None]:
-        prefill, answer = await self._prefill(sub, route, decode)
-        yield self._first_chunk(sub, answer)
-        if answer.finish_reason:  # the first token ended sequence 0; nothing is pinned
-            async for chunk in self._after_first_token_ended(sub, route, prefill):
-                yield chunk
-            return
-        request = pb.GenerateRequest(
-            prompt_token_ids=sub.prompt_token_ids,
-            sampling=params_to_proto(sub.params),
-            first_token=answer.first_token,
-            first_logprobs=answer.logprobs,
-            kv=answer.kv,
-        )
-        handed_over = False
-        stream = self.calls.stream(
-            "decode",
-            sub,
-            route,
-            request,
-            lambda: self.decode_candidates(prefill),
-            first_choice=decode,
-        )
+        """Prefill on P, its first token to the client, then D pulls and decodes."""
+        handoff = await self.calls.prefill(sub, route, lambda: self.prefill_candidates(decode))
+        prefill = handoff.prefill
         try:
+            assert handoff.answer is not None
+            yield self._first_chunk(sub, handoff.answer)
+            if handoff.answer.finish_reason:  # the first token ended sequence 0
+                async for chunk in self._after_first_token_ended(sub, route, prefill):
+                    yield chunk
+                return
+            stream = self.calls.generate(
+                "decode",
+                sub,
+                route,
+                lambda: self.decode_candidates(prefill),
+                first_choice=decode,
+                handoff=handoff,
+            )
             async with aclosing(stream):
                 async for chunk in stream:
-                    handed_over = True
                     yield chunk
         finally:
-            if not handed_over:  # no decode worker took it: nobody will pull or release
-                # The address the router called, not one the answer names.
-                self.calls.spawn(self.calls.prefill_client.release(answer.kv, prefill.grpc_address))
+            self.calls.release_untaken(handoff)
 
     async def _streamed(
         self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
     ) -> AsyncGenerator[Chunk, None]:
         """Disaggregated with the KV streamed: the decode worker is called as soon as the
         prefill worker has reserved the prompt's blocks and pulls them as they are computed;
-        its chunks follow the first token the prefill worker answers with. A prefill worker
-        that fails first is replaced (its decode call cancelled), as in ``_prefill``."""
-        failed: set[str] = set()
-        last = "no prefill worker is alive"
-        for attempt in range(self.config.max_attempts):
-            candidates = [p for p in self.prefill_candidates(decode) if p.worker_id not in failed]
-            if not candidates:
-                break
-            prefill = await self.calls.choose("prefill", candidates, route)
-            try:
-                answer, kv, decoding = await self._prefill_streamed(
-                    sub, route, prefill, decode, attempt
-                )
-            except grpc.aio.AioRpcError as exc:
-                last = self.calls.failed("prefill", prefill, exc)
-                failed.add(prefill.worker_id)
-                continue
-            try:
-                yield self._first_chunk(sub, answer)
-                if answer.finish_reason:  # the decode worker has nothing to do for sequence 0
-                    await decoding.relay.close()
-                    async for chunk in self._after_first_token_ended(sub, route, prefill):
-                        yield chunk
-                    return
-                decoding.know(answer)
-                async for chunk in decoding.relay.items():
+        its chunks follow the first token the prefill worker answers with."""
+
+        def start_decoding(handoff: Handoff, prefill_request_id: str) -> Relay[Chunk]:
+            stream = self.calls.generate(
+                "decode",
+                sub,
+                route,
+                lambda: self.decode_candidates(handoff.prefill),
+                first_choice=decode,
+                handoff=handoff,
+                id_base=prefill_request_id,  # unique per prefill attempt: an aborted one lingers
+            )
+            return Relay(stream)  # read in the background from now on
+
+        answer, handoff, relay = await self.calls.prefill_streamed(
+            sub, route, lambda: self.prefill_candidates(decode), start_decoding
+        )
+        try:
+            if not answer.finish_reason:  # else the decode worker has nothing to do
+                handoff.know(answer)
+            yield self._first_chunk(sub, answer)
+            if answer.finish_reason:
+                await relay.close()
+                async for chunk in self._after_first_token_ended(sub, route, handoff.prefill):
                     yield chunk
-            finally:
-                await decoding.relay.close()
-                if not decoding.relay.started:  # no decode worker took it: release it here
-                    self.calls.spawn(self.calls.prefill_client.release(kv, prefill.grpc_address))
-            return
-        raise APIError(503, f"prefill failed: {last}", retry_after=self.config.retry_after_seconds)
-
-    async def _prefill_streamed(
-        self,
-        sub: SubRequest,
-        route: RouteRequest,
-        prefill: WorkerRecord,
-        decode: WorkerRecord,
-        attempt: int,
-    ) -> tuple[pb.PrefillResponse, pb.KVHandle, _Decoding]:
-        """One PrefillStream call: the decode call starts on its streaming handle; returns the
-        answer, the handle and the running decode call (closed if this raises)."""
-        request = pb.PrefillRequest(
-            request_id=attempt_id(sub.request_id, "p", attempt),
-            token_ids=sub.prompt_token_ids,
-            sampling=params_to_proto(sub.params),
-        )
-        span = attempt_span("prefill", prefill, attempt, request.request_id)
-        decoding: _Decoding | None = None
-        kv: pb.KVHandle | None = None
-        with tracing.ending(span):
-            try:
-                with self.calls.tracked(prefill) as channel, self.calls.queued(prefill, sub):
-                    call = pb_grpc.PrefillServiceStub(channel).PrefillStream(
-                        request,
-                        timeout=self.config.prefill_timeout_seconds,
-                        metadata=self.calls.metadata + tracing.grpc_metadata(span),
-                    )
-                    try:
-                        async for event in call:
-                            if event.HasField("kv") and decoding is None:
-                                kv = event.kv
-                                decoding = self._start_decoding(
-                                    sub, route, prefill, decode, kv, request.request_id
-                                )
-                            elif event.HasField("done") and decoding is not None:
-                                assert kv is not None
-                                sub.worker_ids.append(prefill.worker_id)
-                                span.set_attribute(
-                                    "pdserve.cached_tokens", event.done.num_cached_tokens
-                                )
-                                return event.done, kv, decoding
-                    finally:
-                        call.cancel()  # a no-op once finished
-                raise APIError(502, f"{prefill.worker_id} ended PrefillStream without an answer")
-            except BaseException as exc:
-                if decoding is not None:
-                    await decoding.relay.close()
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    tracing.set_error(span, f"{exc.code().name}: {exc.details()}")
-                raise
-
-    def _start_decoding(
-        self,
-        sub: SubRequest,
-        route: RouteRequest,
-        prefill: WorkerRecord,
-        decode: WorkerRecord,
-        kv: pb.KVHandle,
-        prefill_request_id: str,
-    ) -> _Decoding:
-        """The decode call on a streaming handle, read in the background from now on."""
-        request = pb.GenerateRequest(
-            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(sub.params), kv=kv
-        )
-        first_token_known = asyncio.Event()
-        stream = self.calls.stream(
-            "decode",
-            sub,
-            route,
-            request,
-            lambda: self.decode_candidates(prefill),
-            first_choice=decode,
-            id_base=prefill_request_id,  # unique per prefill attempt: an aborted one may linger
-            first_token_known=first_token_known,
-        )
-        return _Decoding(request, Relay(stream), first_token_known)
+                return
+            async for chunk in relay.items():
+                yield chunk
+        finally:
+            await relay.close()
+            self.calls.release_untaken(handoff)
 
     def _first_chunk(self, sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
         """The prefill worker's first token, as the request's first chunk."""
@@ -405,11 +287,8 @@ class Orchestrator:
         itself for sequences 1..n-1 (their seeds shifted as if they had been forked)."""
         seed = None if sub.params.seed is None else sequence_seed(sub.params.seed, 1)
         rest = dataclasses.replace(sub.params, n=sub.params.n - 1, seed=seed)
-        request = pb.GenerateRequest(
-            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(rest)
-        )
-        stream = self.calls.stream(
-            "decode", sub, route, request, lambda: self.decode_candidates(prefill)
+        stream = self.calls.generate(
+            "decode", sub, route, lambda: self.decode_candidates(prefill), params=rest
         )
         async with aclosing(stream):
             async for chunk in stream:
@@ -417,48 +296,10 @@ class Orchestrator:
                 yield chunk
 
     async def _colocated(self, sub: SubRequest, route: RouteRequest) -> AsyncGenerator[Chunk, None]:
-        request = pb.GenerateRequest(
-            prompt_token_ids=sub.prompt_token_ids, sampling=params_to_proto(sub.params)
-        )
-        stream = self.calls.stream(
-            "colocated", sub, route, request, lambda: self.routable("colocated")
-        )
+        stream = self.calls.generate("colocated", sub, route, lambda: self.routable("colocated"))
         async with aclosing(stream):
             async for chunk in stream:
                 yield chunk
-
-    async def _prefill(
-        self, sub: SubRequest, route: RouteRequest, decode: WorkerRecord
-    ) -> tuple[WorkerRecord, pb.PrefillResponse]:
-        failed: set[str] = set()
-        last = "no prefill worker is alive"
-        for attempt in range(self.config.max_attempts):
-            candidates = [p for p in self.prefill_candidates(decode) if p.worker_id not in failed]
-            if not candidates:
-                break
-            worker = await self.calls.choose("prefill", candidates, route)
-            request = pb.PrefillRequest(
-                request_id=attempt_id(sub.request_id, "p", attempt),
-                token_ids=sub.prompt_token_ids,
-                sampling=params_to_proto(sub.params),
-            )
-            span = attempt_span("prefill", worker, attempt, request.request_id)
-            with tracing.ending(span):
-                try:
-                    with self.calls.tracked(worker) as channel, self.calls.queued(worker, sub):
-                        answer = await pb_grpc.PrefillServiceStub(channel).Prefill(
-                            request,
-                            timeout=self.config.prefill_timeout_seconds,
-                            metadata=self.calls.metadata + tracing.grpc_metadata(span),
-                        )
-                    sub.worker_ids.append(worker.worker_id)
-                    span.set_attribute("pdserve.cached_tokens", answer.num_cached_tokens)
-                    return worker, answer
-                except grpc.aio.AioRpcError as exc:
-                    tracing.set_error(span, f"{exc.code().name}: {exc.details()}")
-                    last = self.calls.failed("prefill", worker, exc)
-                    failed.add(worker.worker_id)
-        raise APIError(503, f"prefill failed: {last}", retry_after=self.config.retry_after_seconds)
 
     def _record(self, sub: SubRequest) -> None:
         """Count how ``sub`` got its KV and observe its phases."""
