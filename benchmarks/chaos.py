@@ -466,8 +466,8 @@ def build_report(
         "leaked": leaked,  # blocks used + pins + pulls + readers left on the workers
         "orphans": len(leftover),
     }
-    checked = (*BAD_OUTCOMES, "wrong_in_recovery_probes", "hung_kv_peer", "orphans")
-    checked += ("stalled_readers_not_cut_off",)
+    checked = [*BAD_OUTCOMES, "wrong_in_recovery_probes", "hung_kv_peer", "orphans"]
+    checked.append("stalled_readers_not_cut_off")
     problems = [f"{key}: {results[key]}" for key in checked if results[key]]
     problems += [f"leaked: {idle}"] if leaked != 0 else []
     problems += [] if end["recovery"]["recovered"] else ["the system did not recover"]
@@ -489,7 +489,10 @@ def build_report(
         "faults_injected": faults | {k: int(soak.scraper.total(k)) for k in KV_FAULT_KINDS},
         "fault_log": [_logged(entry, up) for entry in soak.fault_log],
         "seconds": end["seconds"],
-        "kv_pulls": {k: int(soak.scraper.total(k)) for k in ("pulls_pulled", "pulls_recomputed")},
+        "kv_pulls": {
+            k: int(soak.scraper.total(k))
+            for k in ("pulls_pulled", "pulls_recomputed", "lease_expirations")
+        },
         "restarts": dict(up.restarts),
         "recovery": end["recovery"],
         "idle_by_worker": idle,
