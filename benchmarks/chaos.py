@@ -253,7 +253,8 @@ class Soak:
         entry["target"] = "prefill-0"
         deadline = time.monotonic() + PREFILL_WAIT_SECONDS  # it may be restarting
         while True:
-            pid, address = self.up.pid("prefill-0"), await self._prefill_address()
+            pid = self.up.pid("prefill-0")
+            address = await self._prefill_address(pid)
             if alive(pid) and address is not None:
                 break
             if time.monotonic() > deadline:
@@ -304,19 +305,21 @@ class Soak:
         self, peer: PrefillPeer, entry: dict[str, Any], short_ids: list[int], long_ids: list[int]
     ) -> None:
         try:
-            outcome, entry["detail"] = await peer.lose_leases(short_ids, long_ids)
+            other_ids = self._long_prompt()
+            outcome, entry["detail"] = await peer.lose_leases(short_ids, long_ids, other_ids)
         except Exception as exc:  # a refused Prefill (the worker died): a clear failure
             outcome, entry["detail"] = "ended", f"{type(exc).__name__}: {exc}"[:300]
         self.peer_hung += outcome == "hung"
 
-    async def _prefill_address(self) -> str | None:
-        """The gRPC address of the registered prefill worker, from up's router."""
+    async def _prefill_address(self, pid: int | None) -> str | None:
+        """The gRPC address of the prefill worker ``pid`` once registered, from up's router."""
         try:
             answer = await self.client.http.get(self.client.urls["streamed"] + "/v1/workers")
             rows = answer.json()["data"]
         except (httpx.HTTPError, ValueError, KeyError):
             return None
-        return next((w["grpc_address"] for w in rows if w["role"] == "prefill"), None)
+        ours = (w for w in rows if w["role"] == "prefill" and w["pid"] == pid and w["healthy"])
+        return next((w["grpc_address"] for w in ours), None)
 
     def _long_prompt(self) -> list[int]:
         """LONG_PROMPT_TOKENS token ids: pool prompts end to end in a random order (real text,

@@ -6,9 +6,11 @@ talks to the prefill worker as a decode worker or router would, then misbehaves.
   sender that gave up at its deadline has closed the connection before the whole payload, one
   that waited for the reader sends it all. The leak check then sees whether the blocks went.
 - ``lost_lease``: Prefill a prompt and drop its handle (no pull, no Release, no RenewLease, as
-  when those messages are lost), and start a PrefillStream of a long prompt, take its handle
-  and never pull it: the stream must still end (its answer, or a clear error) within its
-  deadline, and the leases must free every block.
+  when those messages are lost); start two PrefillStreams of long prompts, one whose handle is
+  never pulled (the lease runs out while the prompt still computes) and one released as soon
+  as its handle comes (what a decode worker does after a failed streamed pull): both streams
+  must still end (their answer, or a clear error) within their deadline, and the leases must
+  free every block.
 
 The peer presents the run's cluster token, read from the environment of the worker that
 ``pdserve up`` started for this run.
@@ -16,6 +18,7 @@ The peer presents the run's cluster token, read from the environment of the work
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 import uuid
@@ -75,8 +78,22 @@ class PrefillPeer:
             )
         return answer.kv
 
-    async def stall_a_pull(self, token_ids: list[int]) -> Stall:
-        """Prefill, then ask for every block and read nothing past the reply."""
+    async def stall_a_pull(self, token_ids: list[int], tries: int = 3) -> Stall:
+        """Prefill, then ask for every block and read nothing past the reply; a pull that the
+        worker's --kv-faults drop (closed with no payload) is tried again."""
+        for _ in range(tries - 1):
+            stall = await self._stall_once(token_ids)
+            try:
+                stall.sock.settimeout(5.0)
+                if stall.sock.recv(1, socket.MSG_PEEK):  # payload coming: not dropped
+                    return stall
+            except OSError:
+                pass
+            self.stalls.remove(stall)
+            stall.sock.close()
+        return await self._stall_once(token_ids)
+
+    async def _stall_once(self, token_ids: list[int]) -> Stall:
         handle = await self.prefill("stall", token_ids)
         host, port, _ = framing.parse_address(handle.address, "tcp")
         layout = KVLayout(
@@ -137,25 +154,42 @@ class PrefillPeer:
             return None, "dropped at once by an injected kv fault (no payload at all)"
         return True, f"cut off after {received} of {stall.payload_len} bytes ({held:.0f} s)"
 
-    async def lose_leases(self, short_ids: list[int], long_ids: list[int]) -> tuple[str, str]:
-        """Drop a Prefill's handle and a PrefillStream's; (outcome, detail) of the stream:
-        "ended" (its done event or a clear gRPC status) or "hung"."""
+    async def lose_leases(
+        self, short_ids: list[int], long_ids: list[int], other_ids: list[int]
+    ) -> tuple[str, str]:
+        """Drop a Prefill's handle; start two PrefillStreams at once, one whose handle is
+        never pulled (its lease runs out while the prompt computes) and one released as soon
+        as its handle comes (as a decode worker does after a failed streamed pull). (outcome,
+        detail): "ended" when both streams ended (their done event or a clear gRPC status),
+        else "hung"."""
         await self.prefill("lost", short_ids)  # the handle is dropped here
-        start = time.monotonic()
+        ends = await asyncio.gather(
+            self._stream("unpulled", long_ids, release=False),
+            self._stream("released", other_ids, release=True),
+        )
+        hung = any(outcome == "hung" for outcome, _ in ends)
+        return ("hung" if hung else "ended"), "; ".join(detail for _, detail in ends)
+
+    async def _stream(self, what: str, token_ids: list[int], release: bool) -> tuple[str, str]:
+        """One PrefillStream whose handle is never pulled, released at once if ``release``."""
+        start, events = time.monotonic(), []
         try:
             async with grpc.aio.insecure_channel(self.grpc_address) as channel:
-                stream = pb_grpc.PrefillServiceStub(channel).PrefillStream(
-                    self._request("lost-stream", long_ids),
-                    timeout=CALL_SECONDS,
-                    metadata=token_metadata(self.token),
-                )
-                events = [event.WhichOneof("event") async for event in stream]
+                stub = pb_grpc.PrefillServiceStub(channel)
+                metadata = token_metadata(self.token)
+                request = self._request(f"lost-{what}", token_ids)
+                stream = stub.PrefillStream(request, timeout=CALL_SECONDS, metadata=metadata)
+                async for event in stream:
+                    events.append(event.WhichOneof("event"))
+                    if release and event.HasField("kv"):
+                        release_request = pb.ReleaseRequest(request_id=event.kv.request_id)
+                        await stub.Release(release_request, timeout=5.0, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             seconds = time.monotonic() - start
             if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                return "hung", f"PrefillStream with its handle dropped: no end in {seconds:.0f} s"
-            return "ended", f"PrefillStream ended with {exc.code().name} after {seconds:.1f} s"
-        return "ended", f"PrefillStream events {events} in {time.monotonic() - start:.1f} s"
+                return "hung", f"{what} PrefillStream: {events}, then no end in {seconds:.0f} s"
+            return "ended", f"{what} PrefillStream: {events}, {exc.code().name} in {seconds:.1f} s"
+        return "ended", f"{what} PrefillStream: {events} in {time.monotonic() - start:.1f} s"
 
     def close(self) -> None:
         for stall in self.stalls:
