@@ -1,6 +1,6 @@
 """What a flow hands back to the gateway: ``Chunk`` (new output of one sequence), ``SubRequest``
 (one prompt of an API request, filled in with how it was served), and how a worker's Generate
-messages become them.
+and PrefillResponse messages become them.
 
 No tensors here: token ids and text only.
 """
@@ -70,4 +70,18 @@ def chunk_of(message: pb.GenerateChunk, with_logprobs: bool) -> Chunk:
         token_ids=list(message.token_ids),
         logprobs=[entries(lp) for lp in message.logprobs] if with_logprobs else [],
         finish_reason=message.finish_reason or None,
+    )
+
+
+def first_chunk(sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
+    """A prefill worker's first token, as the request's first chunk."""
+    sub.num_cached_tokens = answer.num_cached_tokens
+    sub.timings["prefill_queue"] = answer.timings.queue_s
+    sub.timings["prefill_compute"] = answer.timings.compute_s
+    return Chunk(
+        index=0,
+        text=answer.first_text,
+        token_ids=[answer.first_token],
+        logprobs=[entries(answer.logprobs)] if sub.params.logprobs is not None else [],
+        finish_reason=answer.finish_reason or None,
     )

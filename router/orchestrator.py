@@ -10,16 +10,10 @@ the stream (section 1 of the architecture page).
       remote, whole (--no-stream-kv): Prefill on P -> first token to the client -> Generate(
               prompt, first token, KVHandle) on D -> D's chunks
 
-A worker that fails before it has produced anything for this request (refused: full or
-draining; unreachable; crashed) is replaced by another worker of its pool, up to
-``max_attempts`` per pool. A decode worker that fails after its first chunk ends the request
-with an error. When no decode worker ever got the request, the router releases the prefill
-worker's pinned blocks itself (the lease is the backstop). A colocated worker does both phases
-(no KV handle) and is used when no prefill/decode pair is routable.
-
-Each attempt on a worker is a client span (``router.prefill``, ``router.decode``,
-``router.colocated``) under the request's root span, failed ones marked as errors; its trace
-context goes to the worker in the call's metadata, next to the cluster token.
+A colocated worker does both phases (no KV handle) and is used when no prefill/decode pair is
+routable. Each arrow is a call of ``WorkerCalls`` (``router/worker_calls.py``), which builds its
+request, gives it its deadline, retries it on another worker while it has produced nothing, and
+releases a prefill handle no decode worker took; this module only composes the flows.
 
 No tensors here: token ids and text only.
 """
@@ -33,8 +27,7 @@ from contextlib import aclosing
 from opentelemetry import trace
 
 from common.sampling_params import sequence_seed
-from protos import pdserve_pb2 as pb
-from router.chunks import Chunk, SubRequest, entries
+from router.chunks import Chunk, SubRequest, first_chunk
 from router.config import RouterConfig
 from router.disaggregation import Decision, RequestFacts, make_disaggregation_policy
 from router.errors import APIError
@@ -201,7 +194,7 @@ class Orchestrator:
         prefill = handoff.prefill
         try:
             assert handoff.answer is not None
-            yield self._first_chunk(sub, handoff.answer)
+            yield first_chunk(sub, handoff.answer)
             if handoff.answer.finish_reason:  # the first token ended sequence 0
                 async for chunk in self._after_first_token_ended(sub, route, prefill):
                     yield chunk
@@ -245,7 +238,7 @@ class Orchestrator:
         try:
             if not answer.finish_reason:  # else the decode worker has nothing to do
                 handoff.know(answer)
-            yield self._first_chunk(sub, answer)
+            yield first_chunk(sub, answer)
             if answer.finish_reason:
                 await relay.close()
                 async for chunk in self._after_first_token_ended(sub, route, handoff.prefill):
@@ -256,19 +249,6 @@ class Orchestrator:
         finally:
             await relay.close()
             self.calls.release_untaken(handoff)
-
-    def _first_chunk(self, sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
-        """The prefill worker's first token, as the request's first chunk."""
-        sub.num_cached_tokens = answer.num_cached_tokens
-        sub.timings["prefill_queue"] = answer.timings.queue_s
-        sub.timings["prefill_compute"] = answer.timings.compute_s
-        return Chunk(
-            index=0,
-            text=answer.first_text,
-            token_ids=[answer.first_token],
-            logprobs=[entries(answer.logprobs)] if sub.params.logprobs is not None else [],
-            finish_reason=answer.finish_reason or None,
-        )
 
     async def _after_first_token_ended(
         self, sub: SubRequest, route: RouteRequest, prefill: WorkerRecord

@@ -282,7 +282,7 @@ class Attempts:
             raise MidStreamError(502, f"{self.pool} worker failed mid-stream: {reason}") from exc
         self.last = reason
         if retry_rule(exc.code()) is Retry.SAME_WORKER:
-            self.next_choice = attempt.worker  # it is fine; it needs the first token
+            self.next_choice = attempt.worker  # it is fine: ask it again (decode: with the token)
         else:
             self.failed_ids.add(attempt.worker.worker_id)
 
