@@ -362,19 +362,17 @@ class Soak:
             self._bar.write(message)
 
     async def recover(self) -> dict[str, Any]:
-        """Until every component is up and every prompt is answered right again (through one
-        router or the other, in turns)."""
+        """Until every component is up and every prompt is answered right again through
+        every router: each length meets each hand-off at least here."""
         start = time.monotonic()
         attempts = 0
         while True:
             attempts += 1
             down = [name for name in COMPONENTS if not alive(self.up.pid(name))]
             if not down and await self._ready():
-                stream, routes = attempts % 2 == 0, self.config.routes
-                sends = [  # each prompt once, the routes in turns (shifted at each attempt)
-                    self.client.send(p, stream, routes[(i + attempts) % len(routes)])
-                    for i, p in enumerate(self.pool)
-                ]
+                stream = attempts % 2 == 0  # every prompt through every hand-off
+                routes = self.config.routes
+                sends = [self.client.send(p, stream, r) for p in self.pool for r in routes]
                 outcomes = await asyncio.gather(*sends)
                 for outcome in outcomes:
                     self.probes.add(outcome)
