@@ -451,19 +451,28 @@ class KVTransferClient(_Endpoint, abc.ABC):
         block_ids: list[int],
         layout: KVLayout,
         timeout: float,
+        total_timeout: float | None = None,
     ) -> StreamedPull:
         """The blocks of a streaming handle, pulled as the prefill computes them: one
         ``OP_PULL_READY`` exchange after another (each within ``timeout``), each part verified
         against the checksums its reply carries, until every block and the prefill's final
-        answer are in. TransferError as :meth:`pull` (ChecksumError included)."""
+        answer are in, all within ``total_timeout`` (the request's time left: each part's wait
+        renews the lease, so the lease alone cannot end a pull whose prefill stopped making
+        progress). TransferError as :meth:`pull` (ChecksumError included)."""
         out = self._output(layout, len(block_ids), None)
         result = StreamedPull(out)
         start = time.perf_counter()
+        deadline = start + total_timeout if total_timeout is not None else None
         while result.num_blocks < len(block_ids) or result.final is None:
             got = result.num_blocks
             part_start = time.perf_counter()
+            part_timeout = timeout if deadline is None else min(timeout, deadline - part_start)
+            if part_timeout <= 0:
+                self._record_failure("timeout")
+                detail = f"{len(block_ids) - got} blocks or the final answer still missing"
+                raise TransferError("timeout", f"streamed pull past its deadline: {detail}")
             part = PullRequest(
-                address, request_id, block_ids[got:], out[got:], timeout, streamed=True
+                address, request_id, block_ids[got:], out[got:], part_timeout, streamed=True
             )
             num, message = await self._exchange(part)
             reply = json.loads(message or "{}")

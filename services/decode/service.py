@@ -307,7 +307,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
             )
             start = time.perf_counter()
             try:
-                pulled = await self._fetch(plan, handle)
+                pulled = await self._fetch(plan, handle, context.time_remaining())
                 error: Exception | None = None
             except (TransferError, ValueError) as exc:
                 pulled, error = None, exc
@@ -354,9 +354,12 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         self.metrics.pulls.labels(outcome="pulled").inc()
         return "pulled"
 
-    async def _fetch(self, plan: PullPlan, handle: pb.KVHandle) -> _Pulled:
+    async def _fetch(
+        self, plan: PullPlan, handle: pb.KVHandle, total_timeout: float | None
+    ) -> _Pulled:
         """The planned blocks in this worker's layout, pulled and verified (a streaming handle:
-        as the prefill worker computes them, with its first token at the end)."""
+        as the prefill worker computes them, with its first token at the end, all within
+        ``total_timeout``: the call's time left)."""
         if self.client is None:
             raise TransferError("unsupported", "this worker has no KV transport client")
         source_layout = layout_from_proto(handle.layout)
@@ -369,7 +372,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         pulled = _Pulled(self.layout.empty_blocks(0))
         if handle.streaming:  # waits for the blocks (and the first token) as they come
             result = await self.client.pull_streamed(
-                address, request_id, block_ids, source_layout, timeout
+                address, request_id, block_ids, source_layout, timeout, total_timeout
             )
             blocks, pulled.final, pulled.exposed_s = result.blocks, result.final, result.exposed_s
             pulled.streamed = True

@@ -84,3 +84,28 @@ def test_a_streamed_pull_of_a_request_never_pinned_is_refused() -> None:
         await server.stop()
 
     asyncio.run(run())
+
+
+def test_a_streamed_pull_whose_prefill_stalls_ends_at_its_deadline() -> None:
+    """Each part's wait renews the lease, so only the request's deadline can end a pull whose
+    prefill stopped making progress: it must, with a timeout, and free nothing it holds."""
+    cache, _ = kv_cache("tcp")
+
+    async def run() -> None:
+        source = TensorBlockSource(cache, lease_seconds=5)
+        source.pin("req", PROMPT_BLOCKS, progress=lambda: 4, num_tokens=NUM_TOKENS)  # one block
+        server = make_server("tcp", source, LAYOUT, TOKEN)
+        address = await server.start("127.0.0.1")
+        client = make_client("tcp", token=TOKEN)
+        try:
+            start = asyncio.get_running_loop().time()
+            with pytest.raises(TransferError) as info:
+                await client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0, 1.0)
+            assert info.value.reason == "timeout"
+            assert asyncio.get_running_loop().time() - start < 3.0
+            assert source.is_pinned("req")  # the pin is the owner's, untouched by the client
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())

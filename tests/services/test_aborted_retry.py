@@ -18,12 +18,12 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from tests.services.workers import AUTH, Result, generate, running, used_blocks
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-PROMPT = [(7 * i) % 30_000 + 100 for i in range(481)]  # 16k+1 tokens, some 15 chunks
+PROMPT = [(7 * i) % 30_000 + 100 for i in range(241)]  # 16k+1 tokens, some 15 chunks
 
 
 def test_aborted_before_the_first_token_then_asked_again(redis_server, llm):  # type: ignore[no-untyped-def]
     base = ["--redis-url", redis_server.url, "--redis-prefix", "aborted:", "--kv-transport", "tcp"]
-    slow_and_dropping = ["--max-num-batched-tokens", "32", "--kv-faults", "drop=1"]
+    slow_and_dropping = ["--max-num-batched-tokens", "16", "--kv-faults", "drop=1"]
     with running([("prefill", [*base, *slow_and_dropping]), ("decode", base)]) as (p, d):
         result = asyncio.run(_flow(p.info["grpc_address"], d.info["grpc_address"]))
         [want] = llm.generate([PROMPT], PARAMS)
@@ -50,12 +50,26 @@ async def _flow(p_address: str, d_address: str) -> Result:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await generate(d_address, generate_request, Result())
         assert refused.value.code() == grpc.StatusCode.ABORTED, refused.value.details()
-        event = await call.read()  # the prefill goes on: its answer comes
+        # The prefill goes on: its answer comes. Meanwhile the handle's holder (the router)
+        # renews its lease, as whoever waits on a handle does.
+        renewing = asyncio.ensure_future(_renew(channel, handle))
+        try:
+            event = await call.read()
+        finally:
+            renewing.cancel()
         assert event.HasField("done"), event
     generate_request.request_id = "ab-d2"
     generate_request.first_token = event.done.first_token
     result = Result(first_token=event.done.first_token, token_ids=[event.done.first_token])
     return await generate(d_address, generate_request, result)
+
+
+async def _renew(channel: grpc.aio.Channel, handle: pb.KVHandle) -> None:
+    stub = pb_grpc.PrefillServiceStub(channel)
+    while True:
+        await asyncio.sleep(0.5)
+        request = pb.RenewLeaseRequest(request_id=handle.request_id)
+        await stub.RenewLease(request, timeout=5, metadata=AUTH)
 
 
 def _eventually(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
