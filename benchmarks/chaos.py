@@ -362,8 +362,9 @@ class Soak:
             self._bar.write(message)
 
     async def recover(self) -> dict[str, Any]:
-        """Until every component is up and every prompt is answered right again through
-        every router: each length meets each hand-off at least here."""
+        """Until every component is up and every prompt is answered again through every
+        router (each length meets each hand-off at least here); a wrong answer is no outage to
+        wait out: it is counted, and fails the run."""
         start = time.monotonic()
         attempts = 0
         while True:
@@ -376,7 +377,7 @@ class Soak:
                 outcomes = await asyncio.gather(*sends)
                 for outcome in outcomes:
                     self.probes.add(outcome)
-                if all(o.kind == "correct" for o in outcomes):
+                if all(o.kind in ("correct", "wrong") for o in outcomes):  # wrong: counted
                     seconds = round(time.monotonic() - start, 1)
                     return {"recovered": True, "seconds": seconds, "attempts": attempts}
             if time.monotonic() - start > self.config.recovery_timeout:
