@@ -215,6 +215,12 @@ class TensorBlockSource:
         with self._lock:
             return sum(pin.readers for pin in self._pins.values())
 
+    @property
+    def num_pins(self) -> int:
+        """Pins held: pinned, or released or expired while still read."""
+        with self._lock:
+            return len(self._pins)
+
     def _unpinned(self, request_id: str) -> None:
         if self._on_unpin is not None:
             self._on_unpin(request_id)

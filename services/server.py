@@ -250,6 +250,7 @@ class Worker:
                 loop.call_soon_threadsafe(self._free_pinned, request_id)
 
             leases = TensorBlockSource(self.engine.kv_cache, cfg.lease_seconds, on_unpin=on_unpin)
+            self.metrics.watch_pins(lambda: leases.num_pins, lambda: leases.num_readers)
             options: dict[str, Any] = {
                 "metrics": self.transfer_metrics,
                 "faults": kvtransfer.KVFaults.parse(cfg.kv_faults),  # None: off (the default)

@@ -39,6 +39,7 @@ class WorkerMetrics:
         self.requests = Counter(
             "pdserve_requests",
             "Requests a worker ended, by outcome: finished, pinned (prefill: KV handed over), "
+            "aborted (prefill: its pin ended while it computed, or the engine failed), "
             "invalid (refused as bad input), rejected (draining or full)",
             ["outcome"],
             registry=r,
@@ -86,6 +87,19 @@ class WorkerMetrics:
                 registry=r,
             )
         r.register(EngineCollector(role, stats))
+
+    def watch_pins(self, num_pins: Callable[[], int], num_readers: Callable[[], int]) -> None:
+        """Export the pin owner's state (a prefill worker's): read at scrape time."""
+        Gauge(
+            "pdserve_kv_pins",
+            "KV handles whose blocks are held: pinned, or released or expired while still read",
+            registry=self.registry,
+        ).set_function(num_pins)
+        Gauge(
+            "pdserve_kv_readers",
+            "Transfers reading pinned KV blocks now (no block is freed under one)",
+            registry=self.registry,
+        ).set_function(num_readers)
 
     def serve(self, host: str, port: int) -> int:
         """Expose /metrics over HTTP; returns the bound port."""
