@@ -7,6 +7,7 @@ freed when a message is lost."""
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -17,6 +18,17 @@ from protos import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_SECONDS = 2.0
+RENEW_SECONDS = 1.0  # how often a holder waiting on a handle renews it, at most
+
+
+def renew_delay(expires_unix_ms: int, interval: float = RENEW_SECONDS) -> float:
+    """Seconds until a handle's holder renews its lease: at half the lease left, at most
+    ``interval`` (the prefill worker's ``--lease-seconds`` may be the shorter), at least 50 ms.
+    Whoever waits on a handle (a decode worker for room to pull, the router for the first token
+    to ask again with) renews it: the lease alone frees blocks nobody waits on."""
+    if expires_unix_ms:
+        interval = min(interval, (expires_unix_ms / 1000 - time.time()) / 2)
+    return max(0.05, interval)
 
 
 class PrefillClient:

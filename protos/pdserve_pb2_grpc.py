@@ -74,7 +74,8 @@ class PrefillServiceServicer:
         the prompt's blocks under a lease and answer them in PrefillResponse.kv, checksums
         included. The lease starts before the answer is sent: an answer that never reaches R (R
         cancelled, the call's deadline passed) leaves the blocks to the reaper, one lease later.
-        Deadline: R's --prefill-timeout-seconds (120 s) per attempt.
+        Deadline: R's --prefill-timeout-seconds (120 s) per attempt at most, within what is left
+        of the request's --request-timeout-seconds (600 s).
         Cancelled (or the deadline passes) before the first token: P aborts the request and
         frees its blocks at once.
         Statuses:
@@ -97,7 +98,8 @@ class PrefillServiceServicer:
         and reserved blocks for all of it; those blocks are pinned from then on, under a lease.
         Event 2 (done) comes once the first token is sampled; P has then told the pin the first
         token, which the last OP_PULL_READY reply carries to D. Then the stream ends, OK.
-        Deadline: R's --prefill-timeout-seconds (120 s) per attempt, for the whole stream.
+        Deadline: R's --prefill-timeout-seconds (120 s) per attempt at most, for the whole
+        stream, within what is left of the request's --request-timeout-seconds (600 s).
         Cancellation (R cancels it when the client goes away, and after the done event; the
         deadline ends it like a cancellation):
         before the kv event: P aborts the request and frees its blocks at once;
@@ -328,11 +330,11 @@ class DecodeServiceServicer:
         With kv, D: checks the handle; queues the request; waits for its scheduler to reserve
         blocks for the KV, renewing P's lease meanwhile (no deadline but the call's); pulls the
         blocks its prefix cache lacks (see "The KV pull"); then sends Release to P in the
-        background, whatever the outcome but ABORTED (below); decodes. A failed pull, or blocks gone before it: D
-        computes the prompt itself when it has the first token (kv_source "recomputed"; with
+        background, whatever the outcome but ABORTED (below); decodes. A failed pull, or
+        blocks gone before it: D computes the prompt itself when it has the first token (kv_source "recomputed"; with
         --on-pull-failure fail it answers UNAVAILABLE instead), else it answers ABORTED.
-        Deadline: R's --request-timeout-seconds (600 s), counted from the start of the decode
-        stage and shared by its attempts (each gets what is left, at least 1 s).
+        Deadline: what is left of R's --request-timeout-seconds (600 s), one deadline for the
+        whole request (its prefill included) shared by every attempt; none is made past it.
         Cancellation (R cancels when the client goes away, when the prefill attempt it belongs to
         fails, or once sequence 0 ended at its first token): D aborts the request and frees its
         blocks at once; during the pull also sends Release for the handle.

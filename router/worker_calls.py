@@ -66,7 +66,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
 from common.channels import ChannelPool
-from common.prefill_client import PrefillClient
+from common.prefill_client import PrefillClient, renew_delay
 from common.sampling_params import SamplingParams
 from common.wire import params_to_proto, token_metadata
 from protos import pdserve_pb2 as pb
@@ -269,11 +269,21 @@ class Attempts:
         return Attempt(self, worker, self.number, request_id, span, timeout)
 
     async def _first_token(self) -> None:
-        assert self.handoff is not None
-        try:
-            await asyncio.wait_for(self.handoff.known.wait(), self.calls.time_left(self.sub))
-        except TimeoutError:
-            raise self.timed_out() from None
+        """Wait for the prefill's answer, renewing the handle's lease meanwhile: a decode worker
+        that answered ABORTED left the blocks pinned for this retry, and a prefill whose lease
+        runs out while it computes is aborted."""
+        handoff = self.handoff
+        assert handoff is not None
+        expires_ms = handoff.kv.lease_expires_unix_ms
+        while not handoff.known.is_set():
+            left = self.calls.time_left(self.sub)
+            if left <= 0:
+                raise self.timed_out()
+            try:
+                await asyncio.wait_for(handoff.known.wait(), min(left, renew_delay(expires_ms)))
+            except TimeoutError:
+                renewed = await self.calls.prefill_client.renew_lease(handoff.kv)
+                expires_ms = renewed or expires_ms  # None: the stream's own end will come
 
     def failed(self, attempt: Attempt, exc: grpc.aio.AioRpcError) -> None:
         """``attempt``'s call failed: raise unless another attempt may follow (the rule)."""

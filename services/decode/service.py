@@ -36,7 +36,7 @@ from opentelemetry.trace import Span, SpanKind
 
 from common import tracing
 from common.channels import ChannelPool
-from common.prefill_client import PrefillClient
+from common.prefill_client import PrefillClient, renew_delay
 from common.sampling_params import SamplingParams
 from common.wire import logprobs_from_proto, params_from_proto
 from kvtransfer.base import KVLayout, KVTransferClient, TransferError, adapt_layout
@@ -272,20 +272,14 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         expires_ms = handle.lease_expires_unix_ms
         while True:
             try:
-                return await self.engine.pull_plan(rid, timeout=self._renew_in(expires_ms))
+                wait = renew_delay(expires_ms, self.config.lease_renew_seconds)
+                return await self.engine.pull_plan(rid, timeout=wait)
             except asyncio.TimeoutError:
                 renewed = await self.prefill_client.renew_lease(handle)
                 if renewed is None:
                     log.warning("lease of %s not renewed; computing here", rid)
                     return None
                 expires_ms = renewed
-
-    def _renew_in(self, expires_unix_ms: int) -> float:
-        """Seconds to the next renewal: at half the lease left, at most the renew interval."""
-        interval = self.config.lease_renew_seconds
-        if expires_unix_ms:
-            interval = min(interval, (expires_unix_ms / 1000 - time.time()) / 2)
-        return max(0.05, interval)
 
     async def _pull(
         self,
