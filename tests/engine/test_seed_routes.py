@@ -19,8 +19,8 @@ from common.sampling_params import SamplingParams
 from common.settings import from_fields
 from services.engine.config import EngineConfig
 from services.engine.llm_engine import LLMEngine, PullPlan
-from services.engine.outputs import RequestOutput
 from tests.conftest import PROMPTS, assert_no_leaks
+from tests.engine.test_handoff import run_until_done
 
 ROUTES = ["pulled", "streamed", "recomputed"]
 CASES = {  # name -> (prompt, params): temperature 1.0, so every token is a draw
@@ -43,20 +43,6 @@ def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     yield prefill, decode
     assert_no_leaks(prefill)
     assert_no_leaks(decode)
-
-
-def run_until_done(engine: LLMEngine, request_id: str) -> RequestOutput:
-    """The request's merged output once it finishes (steps return deltas)."""
-    merged = None
-    for _ in range(200):
-        for out in engine.step():
-            if merged is None:
-                merged = out
-            else:
-                merged.merge(out)
-            if out.finished:
-                return merged
-    raise AssertionError(f"{request_id} did not finish")
 
 
 def admit(engine: LLMEngine, request_id: str) -> PullPlan:

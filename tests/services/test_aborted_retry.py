@@ -15,6 +15,7 @@ from common.wire import params_to_proto
 from pdserve import SamplingParams
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc as pb_grpc
+from tests.router.cluster import wait_until
 from tests.services.workers import AUTH, Result, generate, running, used_blocks
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -30,7 +31,7 @@ def test_aborted_before_the_first_token_then_asked_again(redis_server, llm):  # 
         assert result.token_ids == want.outputs[0].token_ids
         assert result.kv_source == "recomputed"  # every pull is dropped
         for worker in (p, d):
-            assert _eventually(lambda w=worker: used_blocks(w) == 0), f"{worker.role} leaked"
+            assert wait_until(lambda w=worker: used_blocks(w) == 0), f"{worker.role} leaked"
 
 
 async def _flow(p_address: str, d_address: str) -> Result:
@@ -70,14 +71,3 @@ async def _renew(channel: grpc.aio.Channel, handle: pb.KVHandle) -> None:
         await asyncio.sleep(0.5)
         request = pb.RenewLeaseRequest(request_id=handle.request_id)
         await stub.RenewLease(request, timeout=5, metadata=AUTH)
-
-
-def _eventually(predicate, timeout: float = 15.0) -> bool:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return bool(predicate())
