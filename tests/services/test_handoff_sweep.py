@@ -22,6 +22,13 @@ more than the socket buffers hold) in the chunk phases and for the stalled reade
 of P) where a lease must run out while P computes; 97 in the controls.
 
 ``PDSERVE_WRITE_SWEEP_TABLE=1`` writes the table of the sweep to docs/handoff-sweep.md.
+
+On the tree before #30's fixes (788ff44) it fails three ways: ``tcp-chunk-first-none`` gives
+wrong tokens from the first decoded one (97 = 6 blocks + 1: the streamed pull reserved one
+token too few); ``tcp-chunk-first-lease`` hangs to its deadline (the lease ran out while P
+computed: PrefillStream never answered, so the ABORTED Generate was never asked again);
+``tcp-pinned-stall`` leaves P's 12 blocks and its pinned request held (a tcp reader that stops
+reading kept the sender waiting forever).
 """
 
 from __future__ import annotations
@@ -138,6 +145,8 @@ CASES = _cases()
 
 def _not_run() -> list[tuple[str, str, str]]:
     rows = [(phase, fault, why) for (phase, fault), why in NOT_APPLICABLE.items()]
+    reduced = ", ".join(f"{phase} x {fault}" for phase, fault in REDUCED)
+    rows.append(("torch, ucx, shm", "*", f"only {reduced} (time); stall speaks tcp's wire"))
     missing = sorted({"tcp", "torch", "ucx", "shm"} - set(kvtransfer.available_transports()))
     if missing:
         rows.append(("*", "*", f"transports not available here: {', '.join(missing)}"))
