@@ -23,6 +23,7 @@ from common.settings import HelpFormatter, add_settings, build, setting
 from pdserve.profile import ProfileConfig  # numpy-free: its flags are plan's
 from services.engine.config import EngineConfig, default_num_threads
 from services.worker.config import WorkerConfig
+from services.worker.launcher import die_with_parent_if_asked
 
 if TYPE_CHECKING:
     from common.sampling_params import SamplingParams
@@ -333,6 +334,7 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent_if_asked()  # a child of `pdserve up` or a test: never outlive it
     try:
         args = make_parser(os.environ).parse_args(argv)
         return int(args.func(args))

@@ -2,7 +2,10 @@
 
 The child prints ``PDSERVE_READY {json}`` once it listens; its other output is kept (the last
 lines, for error messages) and optionally echoed with a prefix. The child dies with its parent
-(PR_SET_PDEATHSIG on Linux), so a crashed launcher leaves no orphan behind.
+(PR_SET_PDEATHSIG on Linux), so a crashed launcher leaves no orphan behind: the child sets it
+itself, first thing (``die_with_parent_if_asked``), because setting it between fork and exec (a
+``preexec_fn``) makes Python fork() instead of vfork(), and gRPC's fork handlers then restart
+its pollers in the child, which sometimes died there ("epoll_wait error: Bad file descriptor").
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ from typing import Any, TextIO
 
 from common.ready import READY_PREFIX
 
+PARENT_PID_ENV = "PDSERVE_DIE_WITH_PARENT"  # set for the child: its launcher's pid
 
-def _die_with_parent() -> None:
+
+def die_with_parent_if_asked() -> None:
+    """In a child this module started: be killed when the launcher's thread exits, and exit
+    now if the launcher is gone already (it may have died before this ran)."""
+    parent = os.environ.pop(PARENT_PID_ENV, "")
+    if not parent:
+        return
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
-        pass
+        return
+    if os.getppid() != int(parent):
+        os._exit(1)
 
 
 class WorkerProcess:
@@ -75,16 +87,12 @@ class WorkerProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=self.env,
-            preexec_fn=self._preexec,
+            env={**self.env, PARENT_PID_ENV: str(os.getpid())},
             start_new_session=self.new_session,
         )
+        if self.cpus is not None:  # before the child starts its threads (they inherit it)
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         threading.Thread(target=self._pump, daemon=True).start()
-
-    def _preexec(self) -> None:  # in the child, between fork and exec
-        _die_with_parent()
-        if self.cpus is not None:
-            os.sched_setaffinity(0, self.cpus)
 
     def wait_ready(self, timeout: float = 180.0) -> dict[str, Any]:
         assert self.proc is not None, "spawn() first"

@@ -136,8 +136,8 @@ def test_bfloat16_greedy_parts_from_transformers_only_at_near_ties(
     equal = 0
     for prompt, (ids, hf_tokens, our_tokens) in zip(PROMPTS, bf16_outputs):
         at = tokens_before_parting(hf_tokens, our_tokens)
-        if at == NEW_TOKENS:
-            equal += 1
+        if at >= min(len(hf_tokens), len(our_tokens)):  # the same choices as far as both went
+            equal += 1  # (one may stop where the other goes on: their stop-token sets differ)
             continue
         logits = next_token_logits(model, ids, hf_tokens[: at + 1])[at]
         margin = abs(float(logits[hf_tokens[at]] - logits[our_tokens[at]]))
