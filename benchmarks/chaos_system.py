@@ -27,6 +27,8 @@ from typing import Any
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.worker.launcher import PARENT_PID_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "PDSERVE_READY "  # common/ready.py: a component's line once it listens
 
@@ -237,7 +239,8 @@ class WholeRouter:
         self.proc = subprocess.Popen(
             [*args, "--no-stream-kv"],
             cwd=ROOT,
-            env=source.environ(),
+            # Not up's child: drop the launcher's die-with-parent marker (it names up's pid).
+            env={k: v for k, v in source.environ().items() if k != PARENT_PID_ENV},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
