@@ -87,7 +87,7 @@ class PrefillPeer:
                 stall.sock.settimeout(5.0)
                 if stall.sock.recv(1, socket.MSG_PEEK):  # payload coming: not dropped
                     return stall
-            except OSError:
+            except OSError:  # closed or silent: the pull was dropped, try another
                 pass
             self.stalls.remove(stall)
             stall.sock.close()

@@ -18,9 +18,9 @@ import torch
 from common.sampling_params import SamplingParams
 from common.settings import from_fields
 from services.engine.config import EngineConfig
-from services.engine.llm_engine import LLMEngine, PullPlan
+from services.engine.llm_engine import LLMEngine
 from tests.conftest import PROMPTS, assert_no_leaks
-from tests.engine.test_handoff import run_until_done
+from tests.engine.test_handoff import admit, run_until_done
 
 ROUTES = ["pulled", "streamed", "recomputed"]
 CASES = {  # name -> (prompt, params): temperature 1.0, so every token is a draw
@@ -43,16 +43,6 @@ def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
     yield prefill, decode
     assert_no_leaks(prefill)
     assert_no_leaks(decode)
-
-
-def admit(engine: LLMEngine, request_id: str) -> PullPlan:
-    """Step until the scheduler admits ``request_id`` for its pull; its plan."""
-    for _ in range(100):
-        engine.step()
-        plans = {p.request_id: p for p in engine.take_pull_plans()}
-        if request_id in plans:
-            return plans[request_id]
-    raise AssertionError(f"{request_id} was never admitted")
 
 
 def local(engine: LLMEngine, request_id: str, ids: list[int], params: SamplingParams):  # type: ignore[no-untyped-def]
