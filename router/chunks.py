@@ -32,6 +32,7 @@ class SubRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # prefix-cache tenant: every worker call and route key has it
     num_cached_tokens: int = 0  # filled in: prompt tokens a worker's prefix cache already held
     worker_ids: list[str] = field(default_factory=list)  # filled in: who served it
     kv_source: str = ""  # filled in: pulled | recomputed | local | colocated

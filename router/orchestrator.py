@@ -120,7 +120,7 @@ class Orchestrator:
 
     async def generate(self, sub: SubRequest) -> AsyncGenerator[Chunk, None]:
         """Chunks of ``sub``; APIError before the first chunk, MidStreamError after it."""
-        route = RouteRequest(sub.prompt_token_ids)
+        route = RouteRequest(sub.prompt_token_ids, sub.cache_salt)
         if self.prefill_candidates():
             decode = await self.calls.choose("decode", self.decode_candidates(), route)
             if not (await self._decide(sub, route, decode)).remote:

@@ -27,14 +27,18 @@ PREFIX_LOOKUP_SECONDS = 0.05
 
 @dataclass
 class RouteRequest:
-    """What a policy may look at: the prompt's token ids (hashed per block size on demand)."""
+    """What a policy may look at: the prompt's token ids (hashed per block size on demand),
+    salted with its ``cache_salt`` as the workers hash them: a request is only routed towards,
+    and only estimates as cached, blocks of its own tenant."""
 
     token_ids: Sequence[int]
+    cache_salt: str | None = None
     _hashes: dict[int, list[int]] = field(default_factory=dict)
 
     def block_hashes(self, block_size: int) -> list[int]:
         if block_size not in self._hashes:
-            self._hashes[block_size] = hash_full_blocks(self.token_ids, block_size)
+            hashes = hash_full_blocks(self.token_ids, block_size, salt=self.cache_salt)
+            self._hashes[block_size] = hashes
         return self._hashes[block_size]
 
 

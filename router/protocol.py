@@ -3,7 +3,9 @@
 Fields OpenAI defines but pdserve cannot honour (tools, logit_bias, echo, suffix, best_of != n,
 non-text content) are refused with a 400 naming them rather than silently ignored; unknown
 extra fields are ignored, as OpenAI's own server does. vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens) are accepted too.
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens) are accepted too, and so
+is its ``cache_salt``: a request's prefix-cache hits (and ``cached_tokens``) are only blocks
+computed under the same salt.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, fi
 
 from common.sampling_params import SamplingParams
 from router.errors import APIError
+from services.engine.hashing import MAX_CACHE_SALT_CHARS
 
 # Structural caps: what the proto and the engine can hold. The configurable limits (n, prompts,
 # stop strings, ... see router.limits) are checked against the parsed body, below these.
@@ -67,6 +70,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     skip_special_tokens: bool = True
+    # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     @field_validator("stop")
     @classmethod

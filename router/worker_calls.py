@@ -154,6 +154,7 @@ def generate_request(
         request_id=request_id,
         prompt_token_ids=sub.prompt_token_ids,
         sampling=params_to_proto(params or sub.params),
+        cache_salt=sub.cache_salt or "",
     )
     if handoff is not None:
         request.kv.CopyFrom(handoff.kv)
@@ -169,6 +170,7 @@ def prefill_request(request_id: str, sub: SubRequest) -> pb.PrefillRequest:
         request_id=request_id,
         token_ids=sub.prompt_token_ids,
         sampling=params_to_proto(sub.params),
+        cache_salt=sub.cache_salt or "",
     )
 
 

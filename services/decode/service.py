@@ -172,7 +172,9 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 finished, stream = await self._add_prefilled(request, params, timeline)
             else:
                 prompt = list(request.prompt_token_ids)
-                stream, timeline.seqs = await self.engine.add_request(rid, prompt, params)
+                stream, timeline.seqs = await self.engine.add_request(
+                    rid, prompt, params, cache_salt=request.cache_salt or None
+                )
                 timeline.ready = timeline.seqs[0].arrival
                 finished = None
         except ValueError as exc:  # refused: nothing of it was added
@@ -220,6 +222,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 first,
                 params,
                 logprobs_from_proto(request.first_logprobs),
+                request.cache_salt or None,  # the prefill's salt: the pulled blocks' hashes
             )
         except BaseException:
             self._spawn(self.prefill_client.release(request.kv))

@@ -82,9 +82,12 @@ class BlockPool:
 
     # ----- prefix cache ---------------------------------------------------------------------
     def update_hashes(self, seq: Sequence) -> None:
-        """Extend ``seq.block_hashes`` to cover every full block of its tokens."""
+        """Extend ``seq.block_hashes`` to cover every full block of its tokens (salted by its
+        request's ``cache_salt``: another tenant's blocks are never its hits)."""
         if len(seq.block_hashes) < seq.num_tokens // self.block_size:
-            seq.block_hashes = hash_full_blocks(seq.token_ids, self.block_size, seq.block_hashes)
+            seq.block_hashes = hash_full_blocks(
+                seq.token_ids, self.block_size, seq.block_hashes, seq.cache_salt
+            )
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of ``seq`` (no state changes).

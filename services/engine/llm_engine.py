@@ -95,11 +95,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         pin_blocks: bool = False,
+        cache_salt: str | None = None,
     ) -> list[Sequence]:
         """Queue a request; raises ValueError naming the bad field (nothing is allocated).
 
         ``pin_blocks`` (prefill workers): stop after the first token and keep the prompt's KV
         blocks until ``release_pinned``; the output carries their ids in ``kv_block_ids``.
+        ``cache_salt``: its prefix-cache hits are only blocks computed under the same salt.
 
         Returns the request's sequences: the live list (n > 1 forks join it), whose timestamps
         a caller may read once the request is over (tracing does).
@@ -107,7 +109,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if pin_blocks and params.n != 1:
             raise ValueError("n must be 1 for a prefill-only request")
-        request = self._new_request(request_id, prompt, params)
+        request = self._new_request(request_id, prompt, params, cache_salt)
         seq = self.builder.first_sequence(request)
         seq.pin_blocks = pin_blocks
         self._requests[request_id] = request
@@ -121,6 +123,7 @@ class LLMEngine:
         first_token: int | None,
         params: SamplingParams,
         first_logprobs: dict[int, float] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestOutput | None:
         """Queue a request whose prompt was computed elsewhere; its KV is pulled once the
         scheduler admits it (``take_pull_plans``). Returns the final output at once when the
@@ -128,11 +131,12 @@ class LLMEngine:
 
         The first token, sampled by the prefill worker, counts as already streamed (see
         ``KVHandoff.expect`` for n > 1). ``first_token`` None (the KV is streamed, the prefill
-        still runs): it comes with ``commit_pull``.
+        still runs): it comes with ``commit_pull``. ``cache_salt``: the prefill worker's, so
+        that the pulled blocks are cached (and the cached prefix found) under the same hashes.
         """
         if first_token is not None:
             self.builder.check_token(first_token)
-        request = self._new_request(request_id, prompt_token_ids, params)
+        request = self._new_request(request_id, prompt_token_ids, params, cache_salt)
         self.builder.first_sequence(request)
         if self.handoff.expect(request, first_token, first_logprobs):
             return self.outputs.output(request)  # the first token alone ended it
@@ -173,12 +177,16 @@ class LLMEngine:
         return len(self._requests)
 
     def _new_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> RequestState:
         """A pinned request's id stays in use until its release: its lease names it."""
         if request_id in self._requests or self.handoff.is_pinned(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return self.builder.build(request_id, prompt, params)
+        return self.builder.build(request_id, prompt, params, cache_salt)
 
     # ----- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -278,6 +286,7 @@ class LLMEngine:
         blocks: torch.Tensor,
         first_token: int | None = None,
         first_logprobs: dict[int, float] | None = None,
+        cache_salt: str | None = None,
     ) -> RequestOutput | None:
         """Decode side: the pulled (and verified) blocks, and the first token when it came with
         them (streamed KV); the request joins the batch. Returns the final output at once when

@@ -42,6 +42,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # its prefix-cache tenant (services.engine.hashing)
     seqs: list[Sequence] = field(default_factory=list)
     texts: dict[int, _SeqText] = field(default_factory=dict)  # by seq_id
 

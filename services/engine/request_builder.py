@@ -2,10 +2,10 @@
 
 Everything a request must pass before the engine takes it is checked here, so that a refused
 request leaves nothing behind (no state, no blocks): the prompt (not empty, token ids in the
-vocabulary, shorter than the context) and a first token that arrives off the wire. Sequences
-get their ids here, and the output processor learns of each one as it is made; a request with
-n > 1 starts with one sequence, which ``fork`` turns into n once its prompt is computed (the
-others share its blocks).
+vocabulary, shorter than the context), its ``cache_salt`` and a first token that arrives off the
+wire. Sequences get their ids here, and the output processor learns of each one as it is made; a
+request with n > 1 starts with one sequence, which ``fork`` turns into n once its prompt is
+computed (the others share its blocks).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 
 from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool
+from services.engine.hashing import check_cache_salt
 from services.engine.output_processor import OutputProcessor, RequestState
 from services.engine.scheduler import Scheduler
 from services.engine.sequence import Sequence
@@ -42,13 +43,18 @@ class RequestBuilder:
         self._seq_ids = itertools.count()
 
     def build(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
     ) -> RequestState:
         """The request's state, with no sequence yet; ValueError naming the bad field."""
+        check_cache_salt(cache_salt)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(token_ids)
-        return RequestState(request_id, text, token_ids, params)
+        return RequestState(request_id, text, token_ids, params, cache_salt)
 
     def check_prompt(self, token_ids: list[int]) -> None:
         """Refuse what the step loop could not compute (the error names the limit)."""
@@ -79,6 +85,7 @@ class RequestBuilder:
             request.params,
             arrival=time.monotonic(),
             index=0,
+            cache_salt=request.cache_salt,
         )
         seq.num_forks_pending = request.params.n - 1
         self.outputs.register(request, seq)

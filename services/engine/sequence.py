@@ -53,6 +53,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prefix-cache hits at the last admission
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks
+    cache_salt: str | None = None  # mixed into the first block's hash: prefix-cache tenant
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
@@ -125,6 +126,7 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             block_table=list(self.block_table),
             block_hashes=list(self.block_hashes),
+            cache_salt=self.cache_salt,
             status=self.status,
             logprobs=list(self.logprobs),
             first_scheduled_time=self.first_scheduled_time,

@@ -118,7 +118,7 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         with self.metrics.prefill_seconds.time():
             try:
                 stream, seqs = await self.engine.add_request(
-                    rid, list(request.token_ids), params, pin_blocks=True
+                    rid, list(request.token_ids), params, True, request.cache_salt or None
                 )
                 async for output in self.engine.outputs(rid, stream):
                     final = output if final is None else _merged(final, output)
@@ -159,7 +159,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         try:
             with self.metrics.prefill_seconds.time():
                 try:
-                    stream, seqs = await self.engine.add_request(rid, tokens, params, True)
+                    salt = request.cache_salt or None
+                    stream, seqs = await self.engine.add_request(rid, tokens, params, True, salt)
                     added = True
                 except ValueError as exc:
                     self.metrics.requests.labels(outcome="invalid").inc()

@@ -89,16 +89,18 @@ class AsyncEngine:
         prompt: list[int],
         params: SamplingParams,
         pin_blocks: bool = False,
+        cache_salt: str | None = None,
     ) -> tuple[OutputStream, list[Sequence]]:
         """Add a request (ValueError for bad input or an id in use; nothing left behind);
         returns its stream for ``outputs`` and its sequences, whose timestamps may be read
         once it is over. A prefill-only request (``pin_blocks``) can be awaited
-        ``prefill_admitted``."""
+        ``prefill_admitted``. ``cache_salt``: the prefix-cache tenant (LLMEngine.add_request)."""
         stream = self._open(request_id)
         if pin_blocks:
             self._admissions[request_id] = asyncio.get_running_loop().create_future()
+        args = (request_id, prompt, params, pin_blocks, cache_salt)
         try:
-            seqs = await self._call(self.engine.add_request, request_id, prompt, params, pin_blocks)
+            seqs = await self._call(self.engine.add_request, *args)
         except BaseException as exc:
             await self._undo_add(request_id, exc)
             raise
@@ -162,6 +164,7 @@ class AsyncEngine:
         first_token: int | None,
         params: SamplingParams,
         first_logprobs: dict[int, float] | None,
+        cache_salt: str | None = None,
     ) -> tuple[RequestOutput | None, list[Sequence], OutputStream]:
         """Queue a request whose prompt KV is pulled (``pull_plan`` says when and which blocks);
         (its final output when the first token ended it, its sequences, its stream)."""
@@ -169,7 +172,7 @@ class AsyncEngine:
         self._plans[request_id] = asyncio.get_running_loop().create_future()
 
         def add() -> tuple[RequestOutput | None, list[Sequence]]:
-            args = (request_id, prompt_token_ids, first_token, params, first_logprobs)
+            args = (request_id, prompt_token_ids, first_token, params, first_logprobs, cache_salt)
             done = self.engine.add_prefilled_request(*args)
             return done, self.engine.sequences(request_id)
 
