@@ -29,6 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.worker.launcher import PARENT_PID_ENV
 
+LISTEN_FD = "PDSERVE_LISTEN_FD"  # router.server.LISTEN_FD_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 READY_PREFIX = "PDSERVE_READY "  # common/ready.py: a component's line once it listens
 
@@ -239,8 +241,9 @@ class WholeRouter:
         self.proc = subprocess.Popen(
             [*args, "--no-stream-kv"],
             cwd=ROOT,
-            # Not up's child: drop the launcher's die-with-parent marker (it names up's pid).
-            env={k: v for k, v in source.environ().items() if k != PARENT_PID_ENV},
+            # Not up's child: drop the launcher's die-with-parent marker (it names up's pid) and
+            # the listening socket up hands its router (this one binds its own port).
+            env={k: v for k, v in source.environ().items() if k not in (PARENT_PID_ENV, LISTEN_FD)},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,9 @@ are watched all along and a stop signal is seen at once. Per component::
                                                      |--no ready line within ready_timeout--> kill
                                                         (seen as an exit at the next poll)
 
+A rolling restart (`pdserve up`'s SIGUSR1) starts a component's replacement itself and hands it
+over once ready (``replace``): the old one's exit, which it asked for, is not a crash.
+
 The backoff grows for a component that keeps crashing (1 s, 2 s, 4 s ... at most 30 s), so a crash
 loop does not spin the CPU, and starts over once the component has stayed up a minute.
 """
@@ -96,6 +99,13 @@ class Supervisor:
     def restarts(self, name: str) -> int:
         """How many times ``name`` was started again."""
         return next(s.restarts for s in self._slots if s.unit.name == name)
+
+    def replace(self, old: Restartable, new: Restartable) -> None:
+        """``new`` (started and ready) takes ``old``'s place (a rolling restart): ``old``'s exit
+        is not ours to see; ``new``'s will be."""
+        slot = next(s for s in self._slots if s.unit is old)
+        slot.unit, slot.ready_since = new, self._clock()
+        slot.restart_at = slot.ready_by = None
 
     def poll(self) -> None:
         """Report exits, restart what is due, notice restarted units that became ready."""

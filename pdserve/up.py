@@ -21,6 +21,23 @@ crashing (`pdserve.supervisor`); the router comes back on the same port, so the 
 valid. A death during the start is still fatal: it is almost always a configuration error, and
 restarting would only repeat it until ``--ready-timeout``.
 
+Rolling restart (SIGUSR1 to this process: ``kill -USR1 <pid>``, the pid is in the summary):
+every component is replaced, one at a time, without a failed request::
+
+    router:  start a second router on the same listening socket -> its ready line -> SIGTERM
+             the old one (it stops accepting, answers what its connections still send with
+             ``Connection: close``, exits; see `router.server`)
+    worker:  start a second worker with the same arguments -> its ready line (it is registered)
+             -> the router lists it -> SIGTERM the old one (it deregisters, refuses new calls,
+             which the router retries on the new one, and finishes those in flight)
+
+The router's port is bound here, once, and handed to every router this process starts (an
+inherited descriptor, ``PDSERVE_LISTEN_FD``): connections wait in the one accept queue while
+routers come and go, and a restarted router (--restart) can never find its port taken. A
+replacement that dies or is not ready within --ready-timeout is killed and ends the rolling
+restart; the component it was to replace keeps serving. While a replacement starts, its pool
+has one member more (its memory and threads too).
+
 Redis is restarted too, on the same port: it holds only soft state. The registry is rewritten by
 the workers' heartbeats, which re-register by themselves once Redis answers again (within their
 2 s backoff), and the router keeps its last view of the workers meanwhile (`services.registry`);
@@ -60,6 +77,8 @@ ROUTER_STOP_SECONDS = 30.0
 WORKER_STOP_SECONDS = 40.0  # the workers' default drain (30 s) plus their own shutdown
 POLL_SECONDS = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+ROLL_SIGNAL = signal.SIGUSR1  # replace every component, one at a time
+LISTEN_FD_ENV = "PDSERVE_LISTEN_FD"  # router.server.LISTEN_FD_ENV (not imported: it loads torch)
 
 
 class UpError(RuntimeError):
@@ -200,16 +219,18 @@ def _exit_reason(code: int | None) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _check_port(port: int) -> None:
-    """Fail at once if the router's port is taken (the router finds out only after loading)."""
-    if port == 0:
-        return
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router binds
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise UpError(f"port {port} is not free ({exc.strerror}): use --port (0: any)") from exc
+def _listen(port: int) -> socket.socket:
+    """The router's listening socket, bound here at once (before any model loads) and handed
+    to every router started (as `router.server.bind` makes it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError as exc:
+        sock.close()
+        raise UpError(f"port {port} is not free ({exc.strerror}): use --port (0: any)") from exc
+    sock.listen(2048)
+    return sock
 
 
 def _say(message: str) -> None:
@@ -270,6 +291,12 @@ class Component(WorkerProcess):
 
     def exit_reason(self) -> str:
         return _exit_reason(self.proc.returncode if self.proc is not None else None)
+
+    def twin(self) -> Component:
+        """A second process of this component, same command and environment, not started."""
+        twin = Component(self.name, self.role, self.args, log=self.echo_to)
+        twin.env, twin.pass_fds = self.env, self.pass_fds
+        return twin
 
     def respawn(self) -> int:
         """The same command again (call it from the main thread); its ready line comes later."""
@@ -368,6 +395,13 @@ class UpSystem:
         self.redis_pid: int | None = None  # the first server's (redis.pid is None once it died)
         self.workers: list[Component] = []
         self.router: Component | None = None
+        self.listener: socket.socket | None = None  # the router's port, bound here
+        # Outside those lists during a rolling restart: a replacement starting, an old one
+        # draining (stopped with the others should a stop signal come meanwhile).
+        self.extra: list[Component] = []
+        self._supervisor: Supervisor | None = None  # with --restart, once up
+        self._reported: set[str] = set()  # dead workers reported (without --restart)
+        self._roll_requested = threading.Event()
         self._redis_log: LogTail | None = None
         self.log_path = Path(config.log_file or default_log_path(config.engine.cache_path))
         self.log: TextIO | None = None  # the components' lines (None: stdout, --verbose)
@@ -398,6 +432,10 @@ class UpSystem:
         self._signal_name = self._signal_name or signal.Signals(signum).name
         self._stop_requested.set()
 
+    def on_roll_signal(self, signum: int, frame: FrameType | None) -> None:
+        """SIGUSR1: a rolling restart, started by the watch loop (a second one waits for it)."""
+        self._roll_requested.set()
+
     # -- start ---------------------------------------------------------------------------------
 
     def start(self) -> bool:
@@ -405,7 +443,7 @@ class UpSystem:
 
         Raises UpError when a component dies or the whole start takes over ``ready_timeout``."""
         deadline = time.monotonic() + self.config.ready_timeout
-        _check_port(self.config.port)  # before the model loads, not after
+        self.listener = _listen(self.config.port)  # before the model loads, not after
         if not self.config.verbose:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = open(self.log_path, "a", buffering=1)  # noqa: SIM115 (closed in stop)
@@ -425,8 +463,11 @@ class UpSystem:
         ]
         if cfg.router.api_key:
             env["PDSERVE_API_KEY"] = cfg.router.api_key
-        router_args = cfg.router_args(self.redis.address) + insecure
+        port = self.listener.getsockname()[1]  # --port 0: the one picked
+        router_args = cfg.router_args(self.redis.address, port) + insecure
+        env[LISTEN_FD_ENV] = str(self.listener.fileno())
         self.router = Component("router", "router", router_args, env, self.log)
+        self.router.pass_fds = (self.listener.fileno(),)
         for component in self.components:
             if self._stop_requested.is_set():
                 return False
@@ -541,6 +582,7 @@ class UpSystem:
                 if self.config.restart
                 else []
             ),
+            f"Rolling restart (one component at a time, no request lost): kill -USR1 {os.getpid()}",
             *([] if self.log is None else [f"Component logs: {self.log_path} (--verbose: here)"]),
             "Ctrl-C stops everything.",
         ]
@@ -550,23 +592,121 @@ class UpSystem:
         """Return when a stop signal comes. A component that dies: with --restart it is started
         again (UpError only if Redis cannot be). Without, a dead worker is reported and the rest
         keeps serving while its pool has live members; UpError when Redis, the router or a
-        whole pool is gone."""
-        if not self.config.restart:
-            reported: set[str] = set()
-            while not self._stop_requested.is_set():
-                self._check_pools(reported)
-                self._stop_requested.wait(POLL_SECONDS)
-            return
-        assert self.router is not None
-        # The router must come back where the summary said, also when --port 0 picked the port.
-        port = int(self.router.info["port"])
-        insecure = ["--insecure"] if self.config.insecure else []
-        self.router.args = self.config.router_args(self.redis.address, port) + insecure
-        units: list[Restartable] = [RedisUnit(self.redis), *self.components]
-        supervisor = Supervisor(units, _say, self.config.ready_timeout)
+        whole pool is gone. SIGUSR1: a rolling restart (``roll``)."""
+        if self.config.restart:
+            units: list[Restartable] = [RedisUnit(self.redis), *self.components]
+            self._supervisor = Supervisor(units, _say, self.config.ready_timeout)
         while not self._stop_requested.is_set():
-            supervisor.poll()  # on the main thread: see Supervisor
+            self._tick()
+            if self._roll_requested.is_set():
+                self._roll_requested.clear()
+                self.roll()
             self._stop_requested.wait(POLL_SECONDS)
+
+    def _tick(self) -> None:
+        """One look at the components; on the main thread (see Supervisor)."""
+        if self._supervisor is not None:
+            self._supervisor.poll()
+        else:
+            self._check_pools(self._reported)
+
+    # -- rolling restart -----------------------------------------------------------------------
+
+    def roll(self) -> None:
+        """Replace the router, then each worker, one at a time (the module docstring). Ends at
+        the first replacement that fails; the component it was to replace keeps serving."""
+        order = [c for c in self.components if c.role == "router"] + self.workers
+        _say(f"rolling restart: {', '.join(c.name for c in order)}, one at a time")
+        start = time.monotonic()
+        for old in order:
+            if self._stop_requested.is_set():
+                return
+            if not old.is_alive():
+                _say(f"rolling restart: {old.name} is not running, left to --restart")
+                continue
+            try:
+                self._replace(old)
+            except UpError as exc:
+                _say(f"rolling restart stopped: {exc}")
+                return
+        _say(f"rolling restart done in {time.monotonic() - start:.1f} s")
+
+    def _replace(self, old: Component) -> None:
+        """Start ``old``'s twin, wait until it serves, then stop ``old`` (it drains)."""
+        start = time.monotonic()
+        new = old.twin()
+        self.extra.append(new)
+        try:
+            new.spawn()
+            self._until(lambda: bool(new.info), new, "its ready line")
+            if new.role != "router":
+                worker_id = str(new.info["worker_id"])
+                self._until(lambda: self._router_lists(worker_id), new, "the router to list it")
+        except (UpError, OSError) as exc:
+            new.kill()
+            self.extra.remove(new)
+            raise UpError(f"the replacement of {old.name} failed: {exc}") from exc
+        self.extra.remove(new)
+        self._swap(old, new)
+        ready = time.monotonic() - start
+        _say(f"{new.name}: pid {new.pid} ready after {ready:.1f} s; pid {old.pid} drains")
+        self._retire(old)
+        total = time.monotonic() - start
+        _say(f"replaced {new.name} in {total:.1f} s (the old one drained in {total - ready:.1f} s)")
+        print(new.describe(), flush=True)
+
+    def _retire(self, old: Component) -> None:
+        """SIGTERM ``old`` and wait while it drains (watching the rest); killed if it takes
+        longer than a stop may. Left to ``stop`` should a stop signal come meanwhile."""
+        self.extra.append(old)
+        old.signal(signal.SIGTERM)
+        seconds = ROUTER_STOP_SECONDS if old.role == "router" else WORKER_STOP_SECONDS
+        deadline = time.monotonic() + seconds
+        while old.is_alive() and not self._stop_requested.is_set():
+            if time.monotonic() > deadline:
+                old.kill()
+                break
+            self._tick()
+            self._stop_requested.wait(POLL_SECONDS)
+        if not old.is_alive():
+            self.extra.remove(old)
+            self._report(old, old.exit_code)
+
+    def _until(self, done: Callable[[], bool], new: Component, what: str) -> None:
+        """Wait for ``done`` while watching the rest; UpError if ``new`` dies or at the
+        deadline, or a stop signal comes."""
+        deadline = time.monotonic() + self.config.ready_timeout
+        while not done():
+            if self._stop_requested.is_set():
+                raise UpError("a stop signal came")
+            if not new.is_alive():
+                time.sleep(0.3)  # let the echo thread read the last lines
+                raise UpError(f"it {_exit_text(new.exit_code)}; its output:\n{new.output_tail(20)}")
+            if time.monotonic() > deadline:
+                raise UpError(f"not ready after {self.config.ready_timeout:g} s: waited for {what}")
+            self._tick()
+            self._stop_requested.wait(POLL_SECONDS)
+
+    def _router_lists(self, worker_id: str) -> bool:
+        """Whether the router's view holds ``worker_id``, healthy (/v1/workers)."""
+        request = urllib.request.Request(self.url + "/v1/workers")
+        if self.config.router.api_key:
+            request.add_header("Authorization", f"Bearer {self.config.router.api_key}")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as answer:
+                rows = json.load(answer)["data"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError):
+            return False
+        return any(row.get("id") == worker_id and row.get("healthy") for row in rows)
+
+    def _swap(self, old: Component, new: Component) -> None:
+        """``new`` takes ``old``'s place: in the lists, and under the supervisor."""
+        if old is self.router:
+            self.router = new
+        else:
+            self.workers[self.workers.index(old)] = new
+        if self._supervisor is not None:
+            self._supervisor.replace(old, new)
 
     # -- stop ----------------------------------------------------------------------------------
 
@@ -580,7 +720,7 @@ class UpSystem:
             self._stop_in_order()
         except _ForceStop:
             _say("killing what is left")
-            for c in self.components:
+            for c in [*self.extra, *self.components]:
                 c.kill()
             self.redis.stop()
         finally:
@@ -592,10 +732,14 @@ class UpSystem:
         _say("stopped")
 
     def _stop_in_order(self) -> None:
-        if self.router is not None and self.router.is_alive():  # not: dead, awaiting a restart
-            _say("stopping the router")
-            self._report(self.router, self.router.terminate(ROUTER_STOP_SECONDS))
-        running = [w for w in self.workers if w.is_alive()]
+        routers = [c for c in [*self.extra, *self.components] if c.role == "router"]
+        for router in routers:
+            if router.is_alive():  # not: dead, awaiting a restart
+                _say("stopping the router")
+                self._report(router, router.terminate(ROUTER_STOP_SECONDS))
+        if self.listener is not None:
+            self.listener.close()
+        running = [w for w in [*self.extra, *self.workers] if w.is_alive()]
         if running:
             _say(f"stopping {len(running)} worker(s): they deregister and drain")
             for w in running:
@@ -621,6 +765,7 @@ def run_up(config: UpConfig) -> int:
     signal is tied to the thread that spawned them."""
     system = UpSystem(config)
     previous: dict[int, Any] = {s: signal.signal(s, system.on_signal) for s in STOP_SIGNALS}
+    previous[ROLL_SIGNAL] = signal.signal(ROLL_SIGNAL, system.on_roll_signal)
     stdout, sys.stdout = sys.stdout, LineWriter(sys.stdout)
     try:
         if system.start():

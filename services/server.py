@@ -2,9 +2,12 @@
 
 Lifecycle: load the model -> listen (gRPC, KV transport, /metrics) -> register in Redis and
 heartbeat -> serve -> SIGTERM/SIGINT: mark draining (health NOT_SERVING, registry record
-``draining``), refuse new requests, deregister, wait for in-flight requests (up to
-``drain_seconds``), stop. The ready line printed on stdout (``PDSERVE_READY {json}``) tells a
-launcher or a test the bound addresses.
+``draining``: routers stop picking it), refuse new requests, wait for in-flight requests and the
+KV pins handed out (up to ``drain_seconds``), deregister, stop. Deregistering last matters: a
+decode worker accepts a KV handle only from a registered (draining included) prefill worker, so a
+handle given out just before the drain must still name one when its Generate call arrives.
+The ready line printed on stdout (``PDSERVE_READY {json}``) tells a launcher or a test the
+bound addresses.
 """
 
 from __future__ import annotations
@@ -326,6 +329,10 @@ class Worker:
     def _num_active(self) -> int:
         return sum(s.num_active for s in (self.prefill, self.decode) if s is not None)
 
+    def _num_pins(self) -> int:
+        """KV handles given out and not yet pulled, released or expired."""
+        return self.prefill.leases.num_pins if self.prefill is not None else 0
+
     async def _publish_prefixes(self, interval: float) -> None:
         assert self.registration is not None
         while True:
@@ -346,13 +353,15 @@ class Worker:
         if self.registration is not None:
             with contextlib.suppress(Exception):
                 await self.registration.set_draining(True)
-                await self.registration.deregister()
         deadline = time.monotonic() + self.config.drain_seconds
-        while self._num_active() and time.monotonic() < deadline:
+        while (self._num_active() or self._num_pins()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.prefill is not None:  # nobody will pull what is still pinned
             self.prefill.leases.release_all()  # each freed once its transfers are done
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self.registration is not None:  # last: see the module docstring
+            with contextlib.suppress(Exception):
+                await self.registration.deregister()
 
     async def _shutdown(self) -> None:
         for task in self._tasks:

@@ -62,6 +62,7 @@ class WorkerProcess:
         self.env = {**os.environ, **(env or {})}
         self.echo_prefix = echo_prefix
         self.echo_to = echo_to  # where echoed lines go (None: stdout)
+        self.pass_fds: tuple[int, ...] = ()  # descriptors the child inherits (a listening socket)
         self.info: dict[str, Any] = {}
         self.proc: subprocess.Popen[str] | None = None
         self._lines: collections.deque[str] = collections.deque(maxlen=200)
@@ -89,6 +90,7 @@ class WorkerProcess:
             text=True,
             env={**self.env, PARENT_PID_ENV: str(os.getpid())},
             start_new_session=self.new_session,
+            pass_fds=self.pass_fds,
         )
         if self.cpus is not None:  # before the child starts its threads (they inherit it)
             os.sched_setaffinity(self.proc.pid, self.cpus)
