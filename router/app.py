@@ -10,8 +10,8 @@ import inspect
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import asdict
+from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,9 +20,9 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import tracing
-from router import limits
-from router.config import RouterConfig
-from router.edge import EdgeMiddleware, TraceMiddleware
+from router.admission import Admission, Ticket
+from router.clients import Client
+from router.edge import PARSED, EdgeMiddleware, TraceMiddleware
 from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, new_request_id, now_unix
 from router.protocol import ChatCompletionRequest, CompletionRequest
@@ -52,57 +52,57 @@ def create_app(gateway: Gateway) -> FastAPI:
         max_body_bytes=gateway.config.max_body_bytes,
         max_body_depth=gateway.config.max_body_depth,
         metrics=gateway.metrics,
-        api_key=gateway.config.api_key,
+        keys=gateway.keys,
+        ops_token=gateway.config.cluster_token if gateway.config.ops_need_token else None,
     )
     if tracing.is_enabled():  # added last: outermost, so 401/413 answers carry the trace id
         app.add_middleware(TraceMiddleware)
 
-    config = gateway.config
+    admission = gateway.admission
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        arrival = time.perf_counter()
+        arrival, client, deadline = _arrival(gateway, request)
         gateway.check_model(body.model)
         body.check_supported()
-        limits.check_fan_out(config, len(body.prompts()), body.n)
-        limits.check_stops(config, body.stop)
-        prompts = [gateway.tokenize(p) for p in body.prompts()]
+        texts = body.prompts()
+        admission.check_shape(client, len(texts), body.n, body.stop)
+        lengths = [len(p) for p in texts if isinstance(p, str)]
+        admission.check_text(lengths, gateway.model.max_model_len, "prompt")
+        prompts = await asyncio.gather(*(_tokenized(gateway, client, deadline, p) for p in texts))
 
         def params(prompt_len: int):  # type: ignore[no-untyped-def]
             max_tokens = gateway.max_tokens_for(prompt_len, body.max_tokens, "max_tokens", "prompt")
             return body.sampling_params(max_tokens, body.logprobs)
 
-        subs = gateway.sub_requests(new_request_id("cmpl"), prompts, params)
-        _check_tokens(config, subs, "max_tokens")
+        salt = _salt(client, body.cache_salt)
+        subs = gateway.sub_requests(new_request_id("cmpl"), list(prompts), params, salt)
+        _check_tokens(admission, subs, "max_tokens")
         builder = _builder(gateway, "completion", subs, body.n, body.logprobs, body)
-        return await _respond(gateway, request, subs, builder, body.stream, arrival)
+        admit = _Admit(admission, client, deadline)
+        return await _respond(gateway, request, subs, builder, body.stream, arrival, admit)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        arrival = time.perf_counter()
+        arrival, client, deadline = _arrival(gateway, request)
         gateway.check_model(body.model)
         body.check_supported()
-        limits.check_fan_out(config, 1, body.n)
-        limits.check_stops(config, body.stop)
-        limits.check_messages(config, len(body.messages))
+        admission.check_shape(client, 1, body.n, body.stop, len(body.messages))
         messages = body.template_messages()
-        try:
-            text = gateway.model.tokenizer.apply_chat_template(messages)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages") from exc
-        except Exception as exc:  # the template itself refused the conversation
-            raise APIError(400, f"chat template error: {exc}", param="messages") from exc
-        prompt = gateway.tokenize(text, chat=True)
+        admission.check_text([_text_length(messages)], gateway.model.max_model_len, "messages")
+        prompt = await admission.run_tokenizer(client, deadline, gateway.chat_prompt, messages)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
 
         def params(prompt_len: int):  # type: ignore[no-untyped-def]
             max_tokens = gateway.max_tokens_for(prompt_len, body.max_new_tokens, param, "messages")
             return body.sampling_params(max_tokens, body.num_logprobs)
 
-        subs = gateway.sub_requests(new_request_id("chatcmpl"), [prompt], params)
-        _check_tokens(config, subs, param)
+        salt = _salt(client, body.cache_salt)
+        subs = gateway.sub_requests(new_request_id("chatcmpl"), [prompt], params, salt)
+        _check_tokens(admission, subs, param)
         builder = _builder(gateway, "chat", subs, body.n, body.num_logprobs, body)
-        return await _respond(gateway, request, subs, builder, body.stream, arrival)
+        admit = _Admit(admission, client, deadline)
+        return await _respond(gateway, request, subs, builder, body.stream, arrival, admit)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -149,9 +149,40 @@ def _without_fastapi_telemetry() -> dict[str, Any]:
     return {"telemetry": off}
 
 
-def _check_tokens(config: RouterConfig, subs: list[SubRequest], param: str) -> None:
+def _arrival(gateway: Gateway, request: Request) -> tuple[float, Client, float]:
+    """When the request came (for its latency), its client (named at the edge) and the deadline
+    of its admission (the tokenizer's turn and the slots: ``--max-queue-wait``, or the request's
+    timeout for the tokenizer when that is 0)."""
+    config = gateway.config
+    state = request.scope.get("state", {})
+    state.pop(PARSED, lambda: None)()  # the body is parsed: the next large one may be
+    client = state.get("client") or Client("addr:unknown")
+    wait = config.max_queue_wait_seconds or config.request_timeout_seconds
+    return time.perf_counter(), client, time.monotonic() + wait
+
+
+async def _tokenized(
+    gateway: Gateway, client: Client, deadline: float, prompt: str | list[int]
+) -> list[int]:
+    if isinstance(prompt, str):  # text: tokenized in the pool, at the client's turn
+        return await gateway.admission.run_tokenizer(client, deadline, gateway.tokenize, prompt)
+    return gateway.tokenize(prompt)  # ids: only checked against the vocabulary
+
+
+def _text_length(messages: list[dict[str, Any]]) -> int:
+    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+
+
+def _salt(client: Client, requested: str | None) -> str | None:
+    """The request's cache salt: its own, within its API key's (no key can reach another's)."""
+    if client.cache_salt is None:
+        return requested
+    return client.cache_salt if requested is None else f"{client.cache_salt}:{requested}"
+
+
+def _check_tokens(admission: Admission, subs: list[SubRequest], param: str) -> None:
     lens = [len(sub.prompt_token_ids) for sub in subs]
-    limits.check_tokens(config, lens, [s.params.max_tokens for s in subs], subs[0].params.n, param)
+    admission.check_tokens(lens, [s.params.max_tokens for s in subs], subs[0].params.n, param)
 
 
 def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBuilder:  # type: ignore[no-untyped-def]
@@ -176,6 +207,7 @@ async def _respond(
     builder: ResponseBuilder,
     stream: bool,
     arrival: float,
+    admit: _Admit,
 ) -> Response:
     if gateway.config.log_requests:
         _log_prompts(gateway, subs)
@@ -192,20 +224,18 @@ async def _respond(
             }
         )
     slots = len(subs) * subs[0].params.n  # every sub-request takes one
-    clock = _Clock(gateway, arrival, span)
     if not stream:
-        gateway.acquire(slots)
+        clock = _Clock(gateway, arrival, span)
         try:
             done = await _until_done_or_disconnected(
-                request, _collect(gateway, subs, builder, clock)
+                request, _collect(gateway, subs, builder, clock, admit, slots)
             )
         finally:
-            gateway.release(slots)
             clock.finish(builder)
         if not done:  # nobody is listening; the status only shows in metrics and logs
             return Response(status_code=499)
         return JSONResponse(builder.response())
-    events = _events(gateway, subs, builder, clock, slots)
+    events = _events(gateway, subs, builder, _Clock(gateway, arrival, span), admit, slots)
     try:  # errors before the first event get their HTTP status; a client gone cancels it
         first = await _first_event_or_disconnected(request, events)
     except BaseException:
@@ -230,12 +260,17 @@ _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 async def _collect(
-    gateway: Gateway, subs: list[SubRequest], builder: ResponseBuilder, clock: _Clock
+    gateway: Gateway,
+    subs: list[SubRequest],
+    builder: ResponseBuilder,
+    clock: _Clock,
+    admit: _Admit,
+    slots: int,
 ) -> None:
-    async with aclosing(gateway.chunks(subs)) as chunks:
+    async with admit(slots) as ticket, aclosing(gateway.chunks(subs)) as chunks:
         async for index, chunk in chunks:
             _check_not_aborted(chunk)
-            clock.tick(chunk)
+            clock.tick(chunk, ticket)
             builder.add(index, chunk)
     _finish_usage(builder, subs)
 
@@ -245,17 +280,17 @@ async def _events(
     subs: list[SubRequest],
     builder: ResponseBuilder,
     clock: _Clock,
+    admit: _Admit,
     slots: int,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of a streaming response: takes the concurrency slots when it starts and
     frees them when it ends."""
     started = False
-    gateway.acquire(slots)
     try:
-        async with aclosing(gateway.chunks(subs)) as chunks:
+        async with admit(slots) as ticket, aclosing(gateway.chunks(subs)) as chunks:
             async for index, chunk in chunks:
                 _check_not_aborted(chunk)
-                clock.tick(chunk)
+                clock.tick(chunk, ticket)
                 event = builder.stream_event(index, chunk)
                 if event is not None:
                     started = True
@@ -271,7 +306,6 @@ async def _events(
         yield builder.error_event(error.message, error.status, error.type)
         yield DONE
     finally:
-        gateway.release(slots)
         clock.finish(builder)
 
 
@@ -334,6 +368,18 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class _Admit:
+    """The last step of a request's admission, taken when its response starts: its slots."""
+
+    admission: Admission
+    client: Client
+    deadline: float
+
+    def __call__(self, slots: int) -> AbstractAsyncContextManager[Ticket]:
+        return self.admission.admitted(self.client, slots, self.deadline)
+
+
 class _Clock:
     """TTFT, inter-token and end-to-end latency of one request, into the router's histograms,
     and the request judged against the latency SLOs that are set: TTFT at its first token, its
@@ -347,11 +393,12 @@ class _Clock:
         self.last: float | None = None
         self.num_tokens = 0
 
-    def tick(self, chunk: Chunk) -> None:
+    def tick(self, chunk: Chunk, ticket: Ticket) -> None:
         if not chunk.token_ids:
             return
         now = time.perf_counter()
         if self.last is None:
+            ticket.start()
             self.first = now
             self.metrics.ttft_seconds.observe(now - self.arrival)
             self.metrics.judge("ttft", now - self.arrival)

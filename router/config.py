@@ -44,7 +44,18 @@ class RouterConfig:
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on /v1/* (better given by env than by flag)"
     )
+    api_keys_file: str | None = setting(
+        None,
+        "a JSON file of API keys, each with a name, a weight (its share of the router) and a "
+        "cache salt (router.clients); with --api-key too, both are accepted",
+        metavar="PATH",
+    )
     cluster_token: str | None = same_setting(ClusterSettings, "cluster_token")
+    ops_need_token: bool = setting(
+        False,
+        "/metrics and /v1/workers answer only 'Authorization: Bearer <cluster token>' "
+        "(/health and /ready stay open for probes)",
+    )
     insecure: bool = same_setting(ClusterSettings, "insecure")
     prefill_policy: str = setting(
         "prefix_aware", "routing policy of the prefill pool", choices=POLICY_NAMES
@@ -88,6 +99,26 @@ class RouterConfig:
     )
     max_concurrency: int = setting(
         512, "sub-requests in flight (prompts x n), at most; more get 429"
+    )
+    # Admission (router.admission): a fair share of slots per client, a bounded wait.
+    max_queue_wait_seconds: float = setting(
+        60.0,
+        "seconds a request may wait to start: one predicted to wait longer for its first token "
+        "gets 503 at once, and one waiting this long for a slot gets 503 (0: no waiting, 429 "
+        "when every slot is taken)",
+        flag="--max-queue-wait",
+    )
+    max_client_share: float = setting(
+        0.5,
+        "the share of --max-concurrency one client (an API key, else an address) may hold at "
+        "once, times its key's weight: slots cannot be taken back, so without it a client "
+        "alone could take every slot and keep newcomers waiting",
+    )
+    max_queued_requests: int = setting(
+        256, "requests waiting for slots or for the tokenizer, all clients together"
+    )
+    tokenizer_threads: int = setting(
+        2, "threads that tokenize and template prompts, off the event loop"
     )
     # Bounds on one request's work, checked before any of it is done (router.limits): a
     # request over one gets a 400 naming the limit and its flag.
@@ -147,6 +178,17 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_queue_wait_seconds < 0:
+            raise ValueError(
+                f"max_queue_wait_seconds must be >= 0, got {self.max_queue_wait_seconds}"
+            )
+        if not 0 < self.max_client_share <= 1:
+            raise ValueError(f"max_client_share must be in (0, 1], got {self.max_client_share}")
+        for name in ("max_queued_requests", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ops_need_token and not self.cluster_token:
+            raise ValueError("ops_need_token needs a cluster token (PDSERVE_CLUSTER_TOKEN)")
         for name in LIMITS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

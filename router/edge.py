@@ -1,7 +1,10 @@
-"""The gateway's edge, as plain ASGI middleware (cheap on every request): the API key on
-``/v1/*`` (checked before the body is read), a bound on the request body (413 before it is
-read when Content-Length says so, or as soon as a chunked body grows past it) and on its JSON
-nesting (400), and a count of responses by endpoint and status (probes and scrapes excluded).
+"""The gateway's edge, as plain ASGI middleware (cheap on every request): the first step of
+admission (`router.admission`). It names the client of each ``/v1/*`` request (its API key,
+checked before the body is read, else its address: ``scope["state"]["client"]``), bounds the
+request body (413 before it is read when Content-Length says so, or as soon as a chunked body
+grows past it) and its JSON nesting (400), keeps the operational endpoints to the cluster token
+when asked (``--ops-need-token``), and counts responses by endpoint and status (probes and
+scrapes excluded) and refusals by reason.
 
 The body is read here, whole, and handed to the app again: FastAPI would turn an error raised
 while it reads the body into a 400.
@@ -12,13 +15,14 @@ every response it sees start, errors and streams included."""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 from typing import Any
 
 from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import tracing
+from router.clients import ClientKeys
 from router.errors import APIError
 from router.limits import check_body_depth
 from router.metrics import RouterMetrics
@@ -33,6 +37,10 @@ ENDPOINTS = {
     "/metrics",
 }
 PROBES = {"/health", "/ready", "/v1/workers", "/metrics"}  # not counted as client requests
+LARGE_BODY_BYTES = 256 << 10  # bodies larger than this are parsed one at a time (_ParseGate)
+PARSE_WAIT_SECONDS = 30.0  # a large body waits this long for its turn, then gets 503
+PARSED = "release_parse_gate"  # scope["state"] key: the handler calls it once the body is parsed
+OPERATIONAL = {"/metrics", "/v1/workers"}  # kept to the cluster token with --ops-need-token
 
 
 class EdgeMiddleware:
@@ -42,13 +50,17 @@ class EdgeMiddleware:
         max_body_bytes: int,
         max_body_depth: int,
         metrics: RouterMetrics,
-        api_key: str | None,
+        keys: ClientKeys,
+        ops_token: str | None,
     ):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.max_body_depth = max_body_depth
         self.metrics = metrics
-        self.api_key = api_key
+        self.keys = keys
+        self.large_bodies = asyncio.Semaphore(1)
+        # None: the operational endpoints are open
+        self.ops_keys = ClientKeys.single(ops_token) if ops_token is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -63,20 +75,86 @@ class EdgeMiddleware:
                 status["code"], status["sent"] = message["status"], True
             await send(message)
 
+        gate = _ParseGate(self.large_bodies)
         try:
             try:
-                if self.api_key is not None and path.startswith("/v1/"):
-                    _check_key(scope, self.api_key)
-                body = await _read_body(receive, self.max_body_bytes, _content_length(scope))
-                if body and scope["method"] == "POST":
-                    check_body_depth(body, self.max_body_depth)
+                self._admit(scope, path)
+                body = await self._read(scope, receive, gate)
             except APIError as error:
                 await error.response()(scope, receive, send_counted)
                 return
             await self.app(scope, _replay(body, receive), send_counted)
         finally:
+            gate.release()
             if path not in PROBES:
                 self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+    def _admit(self, scope: Scope, path: str) -> None:
+        """Who the client is (``scope["state"]["client"]``); a 401 when it may not ask."""
+        headers = scope.get("headers", ())
+        if self.ops_keys is not None and path in OPERATIONAL:
+            try:
+                self.ops_keys.client(headers, None)
+            except APIError:
+                self.metrics.rejected.labels(reason="unauthenticated").inc()
+                raise APIError(
+                    401,
+                    f"{path} needs 'Authorization: Bearer <cluster token>'",
+                    code="invalid_api_key",
+                ) from None
+            return
+        if not path.startswith("/v1/"):
+            return
+        peer = scope.get("client")
+        try:
+            client = self.keys.client(headers, peer[0] if peer else None)
+        except APIError:
+            self.metrics.rejected.labels(reason="unauthenticated").inc()
+            raise
+        scope.setdefault("state", {})["client"] = client
+
+    async def _read(self, scope: Scope, receive: Receive, gate: _ParseGate) -> bytes:
+        try:
+            body = await _read_body(receive, self.max_body_bytes, _content_length(scope))
+        except APIError:
+            self.metrics.rejected.labels(reason="body_too_large").inc()
+            raise
+        if len(body) > LARGE_BODY_BYTES:
+            await gate.enter()
+            scope.setdefault("state", {})[PARSED] = gate.release
+        if body and scope["method"] == "POST":
+            try:
+                check_body_depth(body, self.max_body_depth)
+            except APIError:
+                self.metrics.rejected.labels(reason="body_too_deep").inc()
+                raise
+        return body
+
+
+class _ParseGate:
+    """One large body parsed at a time. Parsing JSON holds the GIL (no thread helps), about
+    8 ms per MiB twice over (the depth check, then FastAPI); several at once would stall the
+    event loop, every stream and probe with it, for their sum. Entered after the body is read,
+    left when the handler starts (``scope["state"][PARSED]``) or the request ends."""
+
+    def __init__(self, semaphore: asyncio.Semaphore):
+        self.semaphore = semaphore
+        self.held = False
+
+    async def enter(self) -> None:
+        try:
+            async with asyncio.timeout(PARSE_WAIT_SECONDS):
+                await self.semaphore.acquire()
+        except TimeoutError:
+            raise APIError(
+                503, "the router is busy parsing large requests: retry later", retry_after=1
+            ) from None
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.semaphore.release()
 
 
 class TraceMiddleware:
@@ -113,18 +191,6 @@ class TraceMiddleware:
                 await send(message)
 
             await self.app(scope, receive, send_traced)
-
-
-def _check_key(scope: Scope, expected: str) -> None:
-    """401 unless the request carries ``Authorization: Bearer <expected>``."""
-    header = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
-    scheme, _, key = header.partition(b" ")
-    if not header:
-        raise APIError(
-            401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-        )
-    if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), expected.encode()):
-        raise APIError(401, "incorrect API key", code="invalid_api_key")
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from common.sampling_params import SamplingParams
+from router.admission import Admission
+from router.clients import ClientKeys
 from router.config import RouterConfig
 from router.errors import APIError
 from router.metrics import RouterMetrics
@@ -39,6 +41,7 @@ class ModelInfo:
     tokenizer: Tokenizer
     tokenizer_hash: str
     max_model_len: int
+    longest_token_bytes: int  # bounds a text's characters per token (router.admission)
 
     @classmethod
     def load(cls, config: RouterConfig) -> ModelInfo:
@@ -49,12 +52,14 @@ class ModelInfo:
             hf_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
         )
         model_id = model_name(config.model)
+        tokenizer = Tokenizer(model_dir)
         return cls(
             name=config.served_model_name or model_id,
             model_id=model_id,
-            tokenizer=Tokenizer(model_dir),
+            tokenizer=tokenizer,
             tokenizer_hash=tokenizer_hash(model_dir),
             max_model_len=max_len,
+            longest_token_bytes=longest_token_bytes(tokenizer),
         )
 
 
@@ -83,7 +88,8 @@ class Gateway:
             orchestrator.kv_usage,  # type: ignore[arg-type]
         )
         self.metrics.track_slos(config.ttft_slo_seconds, config.itl_slo_seconds)
-        self.num_in_flight = 0
+        self.keys = ClientKeys.load(config.api_key, config.api_keys_file)
+        self.admission = Admission(config, model.longest_token_bytes, self.metrics)
         self._pruner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -97,6 +103,7 @@ class Gateway:
             await asyncio.gather(self._pruner, return_exceptions=True)
         await self.view.close()
         await self.orchestrator.close()
+        self.admission.close()
 
     async def _prune_channels(self) -> None:
         """Close gRPC channels of workers that left (autoscaled pools churn addresses)."""
@@ -125,24 +132,6 @@ class Gateway:
                 code="model_not_found",
             )
 
-    def acquire(self, slots: int = 1) -> None:
-        """Take ``slots`` concurrency slots (one per sub-request) or refuse with 429 (give them
-        back with ``release``)."""
-        limit = self.config.max_concurrency
-        if self.num_in_flight + slots > limit:
-            raise APIError(
-                429,
-                f"the router has {self.num_in_flight} sub-requests in flight and this request "
-                f"needs {slots} more; its limit is {limit}: retry later",
-                retry_after=self.config.retry_after_seconds,
-            )
-        self.num_in_flight += slots
-        self.metrics.in_flight.inc(slots)
-
-    def release(self, slots: int = 1) -> None:
-        self.num_in_flight -= slots
-        self.metrics.in_flight.dec(slots)
-
     # -- prompts -------------------------------------------------------------------------------
 
     def tokenize(self, prompt: str | list[int], chat: bool = False) -> list[int]:
@@ -158,6 +147,16 @@ class Gateway:
         if not ids:
             raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
         return ids
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The conversation rendered by the model's chat template, tokenized."""
+        try:
+            text = self.model.tokenizer.apply_chat_template(messages)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        except Exception as exc:  # the template itself refused the conversation
+            raise APIError(400, f"chat template error: {exc}", param="messages") from exc
+        return self.tokenize(text, chat=True)
 
     def max_tokens_for(
         self, prompt_len: int, requested: int | None, param: str, prompt_param: str
@@ -185,13 +184,18 @@ class Gateway:
         return requested
 
     def sub_requests(
-        self, request_id: str, prompts: list[list[int]], make_params: Any
+        self,
+        request_id: str,
+        prompts: list[list[int]],
+        make_params: Any,
+        cache_salt: str | None = None,
     ) -> list[SubRequest]:
-        """One SubRequest per prompt; ``make_params(prompt_len)`` gives its SamplingParams."""
+        """One SubRequest per prompt; ``make_params(prompt_len)`` gives its SamplingParams;
+        ``cache_salt``: the prefix-cache tenant of each."""
         subs = []
         for i, ids in enumerate(prompts):
             params: SamplingParams = make_params(len(ids))
-            subs.append(SubRequest(f"{request_id}-{i}", ids, params))
+            subs.append(SubRequest(f"{request_id}-{i}", ids, params, cache_salt))
         return subs
 
     async def chunks(self, subs: list[SubRequest]) -> AsyncGenerator[tuple[int, Chunk], None]:
@@ -229,6 +233,14 @@ class Gateway:
                 task.cancel()
             with suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def longest_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes one token stands for: no text has more characters than its tokens
+    times this (a normalizer that deletes characters would break the bound; byte-level BPE
+    tokenizers, the common kind, have none)."""
+    ids = range(tokenizer.vocab_size)
+    return max(len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in ids)
 
 
 def new_request_id(prefix: str) -> str:

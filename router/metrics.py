@@ -104,6 +104,26 @@ class RouterMetrics:
             "Sub-requests (prompts x n) being served now: the slots --max-concurrency bounds",
             registry=r,
         )
+        self.rejected = Counter(
+            "pdserve_router_rejected",
+            "Requests refused at admission, by reason (router.admission): unauthenticated, "
+            "body_too_large, body_too_deep, over_limit, text_too_long, predicted_wait, and "
+            "<pool>_<full|queue_full|queue_timeout> for the tokenizer and the slots",
+            ["reason"],
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "pdserve_router_queue_wait_seconds",
+            "Time admitted requests waited for their concurrency slots",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.predicted_wait = Gauge(
+            "pdserve_router_predicted_wait_seconds",
+            "The wait for a first token the router predicted for the latest request "
+            "(--max-queue-wait refuses more)",
+            registry=r,
+        )
         self.slo_requests = Counter(
             "pdserve_router_slo_requests",
             "Requests judged against each latency SLO (only SLOs that are set)",

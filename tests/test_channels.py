@@ -162,7 +162,9 @@ def test_the_router_closes_channels_of_workers_that_left_the_registry(
     monkeypatch.setattr(gateway_module, "CHANNEL_PRUNE_SECONDS", 0.1)
     prefix = f"t{uuid.uuid4().hex[:8]}:"
     config = RouterConfig(redis_url=redis_server.url, redis_prefix=prefix, refresh_seconds=0.1)
-    model = ModelInfo("m", "m", tokenizer=None, tokenizer_hash="cd" * 32, max_model_len=64)  # type: ignore[arg-type]
+    model = ModelInfo(
+        "m", "m", tokenizer=None, tokenizer_hash="cd" * 32, max_model_len=64, longest_token_bytes=1
+    )  # type: ignore[arg-type]
     registry = RegistryConfig(
         redis_url=redis_server.url, prefix=prefix, ttl_seconds=5, heartbeat_seconds=0.2
     )

@@ -7,6 +7,8 @@ clear 503 instead of a hang. Prompts never appear in the router's log unless ask
 
 from __future__ import annotations
 
+import urllib.request
+
 import openai
 import pytest
 
@@ -79,3 +81,41 @@ def test_prompts_stay_out_of_the_log_unless_asked(secured: Cluster) -> None:
     assert SECRET_PROMPT not in quiet.process.output_tail(200)
     assert SECRET_PROMPT not in "".join(w.output_tail(200) for w in secured.workers)
     assert SECRET_PROMPT in chatty.process.output_tail(200)
+
+
+def test_ops_endpoints_can_be_kept_to_the_cluster_token(secured: Cluster) -> None:
+    """With --ops-need-token, /metrics and /v1/workers answer only the cluster token (401 for
+    none, for a wrong one and for an API key); /health and /ready stay open for probes; the API
+    itself is unchanged."""
+    args = [*ROUTER_ARGS, *secured.worker_args("--ops-need-token", "--api-key", "sk-client-key")]
+    process = WorkerProcess("router", args, env={"PDSERVE_CLUSTER_TOKEN": TOKEN})
+    secured.routers.append(process)
+    process.start()
+    router = Router(process)
+    router.wait_ready()
+    for path in ("/metrics", "/v1/workers"):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "Bearer sk-client-key"},
+        ):
+            status, body = router.get(path, headers)
+            assert status == 401, (path, headers, body)
+            assert body["error"]["code"] == "invalid_api_key"
+        status, _ = router.get(path, {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200, path
+    assert router.get("/health")[0] == 200 and router.get("/ready")[0] == 200
+    answer = router.client(api_key="sk-client-key").completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0
+    )
+    assert answer.usage.completion_tokens == 2
+    text = (
+        urllib.request.urlopen(  # noqa: S310 (a local test server)
+            urllib.request.Request(
+                router.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}
+            )
+        )
+        .read()
+        .decode()
+    )
+    assert 'pdserve_router_rejected_total{reason="unauthenticated"} 6.0' in text

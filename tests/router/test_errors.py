@@ -50,6 +50,7 @@ ERROR_TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable",
 }
+NO_WAIT = ("--max-queue-wait", "0", "--max-client-share", "1")
 TABLE_FLAGS = ("--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES))
 
 
@@ -77,8 +78,10 @@ def stack(redis_server) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
             cluster=c,
             main=spawn_router(c, *TABLE_FLAGS),
             key=spawn_router(c, "--api-key", API_KEY),
-            one=spawn_router(c, "--max-concurrency", "1"),
-            four=spawn_router(c, "--max-concurrency", "4"),
+            # no waiting for a slot: a full router answers 429 at once; one client (this
+            # test's address) may take every slot
+            one=spawn_router(c, "--max-concurrency", "1", *NO_WAIT),
+            four=spawn_router(c, "--max-concurrency", "4", *NO_WAIT),
             empty=spawn_router(nobody, *TABLE_FLAGS),
         )
         for process in [*c.workers, *c.routers, *nobody.routers]:
