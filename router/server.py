@@ -47,8 +47,7 @@ from router.gateway import Gateway, ModelInfo
 log = logging.getLogger(__name__)
 
 LISTEN_FD_ENV = "PDSERVE_LISTEN_FD"  # an inherited listening socket to serve on instead
-DRAIN_SECONDS = 20.0  # on SIGTERM: how long open connections may take (`pdserve up` waits 30 s)
-GRACEFUL_SECONDS = 5  # then uvicorn's own shutdown: what is still open is cancelled
+DRAIN_SECONDS = 15.0  # on SIGTERM: how long open connections may take (`pdserve up` waits 30 s)
 IDLE_SECONDS = 1.0  # while draining: no request for this long, the idle connections may close
 DRAIN_POLL_SECONDS = 0.1
 
@@ -177,7 +176,7 @@ async def serve(config: RouterConfig) -> None:
             loop="asyncio",  # grpc.aio runs on the standard loop
             log_level="info",
             access_log=False,
-            timeout_graceful_shutdown=GRACEFUL_SECONDS,
+            timeout_graceful_shutdown=5,  # after the drain: what is still open is cancelled
         ),
         drain,
     )
