@@ -14,8 +14,23 @@ JSON), followed for the tcp transport by ``payload_len`` raw bytes::
 Anything malformed raises :class:`ProtocolError`; a server answers it with a ``protocol``
 error reply and closes that connection (other connections are unaffected). A server reads the
 token before the rest of a request and checks it first, so a peer without it cannot make the
-server allocate a request body; it closes a connection that sends no complete request within
-``IDLE_SECONDS``, and accepts at most ``MAX_CONNECTIONS`` at once.
+server allocate a request body.
+
+Connection limits (:class:`SocketListener`, every listening transport: tcp, shm, torch's control
+and rendezvous connections, ucx's rendezvous socket). A connection is *unauthenticated* from
+accept until its first token checks out, then *authenticated*:
+
+- unauthenticated: at most ``MAX_PREAUTH_PER_PEER`` at once from one peer address and
+  ``MAX_PREAUTH_CONNECTIONS`` from all peers together; a new connection beyond either budget
+  closes the oldest unauthenticated one of that budget (a real client presents its token within
+  a round trip of connecting, so it is never the oldest for long, and a flood from one address
+  can only push out its own connections); each is closed ``PREAUTH_SECONDS`` after accept if no
+  valid token came;
+- authenticated (what real clients pool): at most ``MAX_CONNECTIONS``, one more is closed when
+  it authenticates; each is closed when it sends no complete request for ``IDLE_SECONDS``.
+
+A peer without the token therefore holds no authenticated slot, and at most
+``MAX_PREAUTH_PER_PEER`` connections for at most ``PREAUTH_SECONDS`` each.
 """
 
 from __future__ import annotations
@@ -40,7 +55,8 @@ OP_PULL = 1
 OP_CONNECT = 2  # torch transport: set up the pair's process group
 OP_DONE = 3  # shm transport: the client has copied the blocks; the server may let them go
 OP_PULL_READY = 4  # a streamed pull: the leading blocks computed so far (see KVTransferServer)
-OPS = (OP_PULL, OP_CONNECT, OP_DONE, OP_PULL_READY)
+OP_STORE = 5  # torch transport: one operation on a pair's rendezvous store (kvtransfer.pair_store)
+OPS = (OP_PULL, OP_CONNECT, OP_DONE, OP_PULL_READY, OP_STORE)
 REQUEST_HEADER = struct.Struct("!4sBBHHIQ")
 REPLY_HEADER = struct.Struct("!4sBBHQ")
 MAX_TOKEN_LEN = 4096
@@ -49,7 +65,10 @@ MAX_BLOCKS = 1 << 20
 MAX_MESSAGE_LEN = 65535  # the reply header's u16 (streamed replies carry checksums)
 SOCKET_BUFFER_BYTES = 4 << 20
 IDLE_SECONDS = 60.0  # a connection that sends no complete request for this long is closed
-MAX_CONNECTIONS = 256  # connections one server holds at once; more are closed at accept
+MAX_CONNECTIONS = 256  # authenticated connections one server holds at once
+PREAUTH_SECONDS = 3.0  # a connection with no valid token this long after accept is closed
+MAX_PREAUTH_CONNECTIONS = 128  # unauthenticated connections held at once, all peers together
+MAX_PREAUTH_PER_PEER = 32  # unauthenticated connections held at once from one peer address
 
 STATUS_OK = 0
 STATUS_REASONS = {
@@ -249,8 +268,18 @@ def parse_address(address: str, scheme: str) -> tuple[str, int, dict[str, str]]:
     return host.strip("[]"), int(port), params
 
 
+@dataclass
+class _Unauthenticated:
+    """A connection still in the pre-auth budget: its peer and its deadline."""
+
+    peer: str
+    deadline: asyncio.TimerHandle
+
+
 class SocketListener:
-    """Accepts TCP connections on an ephemeral port and runs ``handler`` on each.
+    """Accepts TCP connections on an ephemeral port and runs ``handler`` on each, within the
+    module docstring's connection limits; the handler calls :meth:`authenticated` once the
+    connection's token checked out.
 
     Lifecycle: ``start(host)`` -> serving (one task per connection) -> ``stop()`` closes the
     listening socket and cancels the connection tasks (which close their sockets).
@@ -263,11 +292,29 @@ class SocketListener:
     ):
         self._handler = handler
         self.max_connections = max_connections
+        self.max_preauth = MAX_PREAUTH_CONNECTIONS
+        self.max_preauth_per_peer = MAX_PREAUTH_PER_PEER
+        self.preauth_seconds = PREAUTH_SECONDS
         self._sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._conns: set[socket.socket] = set()
-        self.num_connections = 0
-        self.num_refused = 0  # connections closed at accept: the server held its maximum
+        self._conns: dict[socket.socket, asyncio.Task[None]] = {}
+        self._preauth: dict[socket.socket, _Unauthenticated] = {}  # oldest first
+        self._authenticated: set[socket.socket] = set()
+        self.num_refused = 0  # closed for a budget: pushed out unauthenticated, or over the cap
+        self.num_expired = 0  # closed unauthenticated at the pre-auth deadline
+
+    @property
+    def num_connections(self) -> int:
+        """Connections held: unauthenticated and authenticated."""
+        return len(self._conns)
+
+    @property
+    def num_preauth(self) -> int:
+        return len(self._preauth)
+
+    @property
+    def num_authenticated(self) -> int:
+        return len(self._authenticated)
 
     def start(self, host: str) -> int:
         """Listen on ``host`` (port 0: the kernel picks) and return the port."""
@@ -285,36 +332,71 @@ class SocketListener:
         # cancel that lands as its read completes, and the handler would serve on (and stop()
         # wait). Shutdown wakes every pending read with EOF; each handler then closes its own.
         for conn in list(self._conns):
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already disconnected
+            _shutdown(conn)
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def authenticated(self, conn: socket.socket) -> None:
+        """``conn`` presented a valid token: it leaves the pre-auth budget for the
+        authenticated one (idempotent). ConnectionResetError when that one is full: the
+        handler ends and the connection is closed."""
+        pending = self._preauth.pop(conn, None)
+        if pending is None:
+            return
+        pending.deadline.cancel()
+        if len(self._authenticated) >= self.max_connections:
+            self.num_refused += 1
+            raise ConnectionResetError(f"{self.max_connections} authenticated connections held")
+        self._authenticated.add(conn)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _accept_loop(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(sock)
+                conn, address = await loop.sock_accept(sock)
             except OSError:  # listening socket closed by stop()
                 return
-            if self.num_connections >= self.max_connections:
-                self.num_refused += 1
-                conn.close()
-                continue
-            # Counted at accept: a burst accepted before any handler runs must see the cap.
-            self.num_connections += 1
-            self._conns.add(conn)
+            peer = str(address[0])
+            self._make_room(peer)
+            # Counted at accept: a burst accepted before any handler runs must see the budgets.
+            deadline = loop.call_later(self.preauth_seconds, self._expire, conn)
+            self._preauth[conn] = _Unauthenticated(peer, deadline)
             tune_socket(conn)
-            self._spawn(self._serve(conn))
+            task = self._spawn(self._serve(conn))
+            self._conns[conn] = task
+            task.add_done_callback(lambda _, conn=conn: self._forget(conn))  # type: ignore[misc]
+            # Let the new handler read a token already sent before the next accept can push
+            # its connection out of a budget.
+            await asyncio.sleep(0)
+
+    def _make_room(self, peer: str) -> None:
+        """Close the oldest unauthenticated connection of a budget a new one from ``peer``
+        would exceed: that peer's own first, else all peers'."""
+        own = [conn for conn, pending in self._preauth.items() if pending.peer == peer]
+        if own and len(own) >= self.max_preauth_per_peer:
+            self.num_refused += 1
+            self._close_unauthenticated(own[0])
+        elif self._preauth and len(self._preauth) >= self.max_preauth:
+            self.num_refused += 1
+            self._close_unauthenticated(next(iter(self._preauth)))
+
+    def _expire(self, conn: socket.socket) -> None:
+        if conn in self._preauth:
+            self.num_expired += 1
+            self._close_unauthenticated(conn)
+
+    def _close_unauthenticated(self, conn: socket.socket) -> None:
+        self._preauth.pop(conn).deadline.cancel()
+        _shutdown(conn)  # wakes a pending read; the cancel also covers a task not yet started
+        self._conns[conn].cancel()
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
@@ -325,7 +407,20 @@ class SocketListener:
             pass  # idle too long: closed
         except Exception:
             logger.exception("KV transfer connection handler failed")
-        finally:
-            self.num_connections -= 1
-            self._conns.discard(conn)
-            conn.close()
+
+    def _forget(self, conn: socket.socket) -> None:
+        """The connection's task ended (or was cancelled before it started): release its
+        place in whichever budget holds it, and close it."""
+        pending = self._preauth.pop(conn, None)
+        if pending is not None:
+            pending.deadline.cancel()
+        self._authenticated.discard(conn)
+        self._conns.pop(conn, None)
+        conn.close()
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already disconnected

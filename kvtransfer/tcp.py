@@ -15,7 +15,9 @@ A failure after the OK reply closes the connection, which the client sees as
 ``connection_lost``. Every send has a deadline (``send_timeout``, the lease by default, for each
 piece of ``SEND_PIECE_BYTES``): a reader that stops reading is cut off, its read ends and the
 blocks it held can be freed. A malformed frame gets a ``protocol`` reply and closes that
-connection only.
+connection only. A connection counts against the listener's small pre-auth budget (per peer
+address, ``PREAUTH_SECONDS`` to present the token) until its first token checks out, then
+against ``MAX_CONNECTIONS`` (:mod:`kvtransfer.framing`).
 Injected faults (``faults=``, testing only): ``drop`` closes the connection after the OK reply,
 ``corrupt`` sends a copy of the payload with one byte flipped.
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -86,7 +89,7 @@ class TcpKVServer(KVTransferServer):
         loop = asyncio.get_running_loop()
         while True:
             try:
-                request = await framing.read_request(loop, conn, self.check_token)
+                request = await framing.read_request(loop, conn, self._checker(conn))
             except framing.ProtocolError as exc:
                 self._record_failure("protocol")
                 await self._send(loop, conn, framing.error_reply("protocol", str(exc)))
@@ -98,6 +101,16 @@ class TcpKVServer(KVTransferServer):
                 return
             if not await self._serve_request(loop, conn, request):
                 return
+
+    def _checker(self, conn: socket.socket) -> Callable[[str], None]:
+        """The token check of ``conn``'s requests: a valid token moves the connection out of
+        the listener's pre-auth budget (see :mod:`kvtransfer.framing`)."""
+
+        def check(token: str) -> None:
+            self.check_token(token)
+            self._listener.authenticated(conn)
+
+        return check
 
     async def _serve_request(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request: framing.Request

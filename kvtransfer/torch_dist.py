@@ -2,15 +2,17 @@
 
 gloo moves CPU tensors, NCCL moves CUDA tensors; the code path is the same. No global
 ``init_process_group``: a worker talks to many peers, so each (prefill, decode) pair gets its
-own group, built directly on a ``TCPStore`` that the prefill side hosts and cached on both
-sides for the life of the pair's control connection.
+own group, cached on both sides for the life of the pair's control connection.
 
-Address: ``torch://HOST:CONTROL_PORT?store=STORE_PORT``. The control channel uses the tcp
-transport's framing (:mod:`kvtransfer.framing`):
+Address: ``torch://HOST:CONTROL_PORT``. The control channel uses the tcp transport's framing
+(:mod:`kvtransfer.framing`) and listener (its pre-auth and connection limits):
 
 1. CONNECT (once per pair): the client presents the token and its backend; the server replies
-   with a fresh pair id; both build the group on ``PrefixStore(pair id, store)``, server rank 0,
-   client rank 1.
+   with a fresh secret pair id; both build the group, server rank 0, client rank 1, on the
+   pair's rendezvous store: an in-process store on the server that the client reaches only
+   through OP_STORE requests on this same listener, with the token and the pair id
+   (:mod:`kvtransfer.pair_store`; no torch ``TCPStore`` listens, so nothing unauthenticated
+   does). gloo's own pair connection listens on the address the client reached the server at.
 2. PULL (per transfer): request id + block ids -> the server validates and replies OK with the
    byte count -> server ``send`` / client ``recv`` of the contiguous tensor (as bytes) straight
    into the client's preallocated output.
@@ -29,16 +31,17 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import secrets
 import socket
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from kvtransfer import framing
+from kvtransfer import framing, pair_store
 from kvtransfer.base import KVTransferClient, KVTransferServer, PullRequest, TransferError
 from kvtransfer.streaming import ready_pull
 
@@ -51,11 +54,10 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def make_pair_group(
-    store: dist.Store, pair_id: str, rank: int, backend: str, host: str, timeout: float
-) -> Group:
-    """A 2-rank group for one pair (blocks until the peer joins or ``timeout``)."""
-    prefixed = dist.PrefixStore(f"pdserve-kv/{pair_id}", store)
+def make_pair_group(store: dist.Store, rank: int, backend: str, host: str, timeout: float) -> Group:
+    """A 2-rank group for one pair on its own store (blocks until the peer joins or
+    ``timeout``)."""
+    prefixed = dist.PrefixStore("pdserve-kv", store)
     limit = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         nccl_options = dist.ProcessGroupNCCL.Options()
@@ -98,30 +100,47 @@ class TorchKVServer(KVTransferServer):
         self.backend = backend_for(torch.device(device))
         self.group_timeout = group_timeout
         self._listener = framing.SocketListener(self._serve_connection)
-        self._store: dist.TCPStore | None = None
+        self._stores: dict[str, dist.Store] = {}  # pair id -> its rendezvous store
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
-        limit = datetime.timedelta(seconds=self.group_timeout)
-        self._store = dist.TCPStore(host, 0, None, True, limit, wait_for_workers=False)
         port = self._listener.start(host)
-        address = framing.format_address("torch", advertise_host or host, port)
-        return f"{address}?store={self._store.port}"
+        return framing.format_address("torch", advertise_host or host, port)
 
     async def stop(self) -> None:
         await self._listener.stop()
-        self._store = None
+        self._stores.clear()
 
     async def _serve_connection(self, conn: socket.socket) -> None:
-        """One pair: CONNECT first, then PULLs; the pair's group dies with the connection."""
+        """One pair (CONNECT first, then PULLs; the pair's group and store die with the
+        connection), or the decode side's operations on its pair's store."""
+        pairs: list[str] = []
+        try:
+            await self._serve_requests(conn, pairs)
+        finally:
+            for pair_id in pairs:
+                self._stores.pop(pair_id, None)
+
+    def _checker(self, conn: socket.socket) -> Callable[[str], None]:
+        """The token check: a valid token moves ``conn`` out of the pre-auth budget."""
+
+        def check(token: str) -> None:
+            self.check_token(token)
+            self._listener.authenticated(conn)
+
+        return check
+
+    async def _serve_requests(self, conn: socket.socket, pairs: list[str]) -> None:
         loop = asyncio.get_running_loop()
         group: Group | None = None
         while True:
             try:
-                # Idle pairs are kept: only a connection that never authenticated times out.
+                # Idle pairs are kept: only a connection with no group times out when idle.
                 idle = framing.IDLE_SECONDS if group is None else None
-                request = await framing.read_request(loop, conn, self.check_token, idle)
-                if request.op == framing.OP_CONNECT:
-                    group = await self._connect(loop, conn, request)
+                request = await framing.read_request(loop, conn, self._checker(conn), idle)
+                if request.op == framing.OP_STORE:
+                    await self._serve_store(loop, conn, request)
+                elif request.op == framing.OP_CONNECT:
+                    group = await self._connect(loop, conn, request, pairs)
                 elif group is None:
                     self._record_failure("protocol")
                     raise TransferError("protocol", "PULL before CONNECT")
@@ -147,21 +166,42 @@ class TorchKVServer(KVTransferServer):
         """A reply frame within ``send_timeout`` (a peer that stops reading is cut off)."""
         await asyncio.wait_for(loop.sock_sendall(conn, frame), self.send_timeout)
 
-    async def _connect(
+    async def _serve_store(
         self, loop: asyncio.AbstractEventLoop, conn: socket.socket, request: framing.Request
+    ) -> None:
+        """One operation on a live pair's store (refused for any other pair id)."""
+        fields, value = await pair_store.read_op(loop, conn, request, self.group_timeout)
+        store = self._stores.get(fields["pair"])
+        if store is None:
+            self._record_failure("refused")
+            raise TransferError("refused", "no such pair")
+        result, payload = await pair_store.serve_op(store, fields, value, self.group_timeout)
+        message = json.dumps({"result": result})
+        await self._reply(
+            loop, conn, framing.encode_reply(framing.STATUS_OK, message, len(payload)) + payload
+        )
+
+    async def _connect(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        conn: socket.socket,
+        request: framing.Request,
+        pairs: list[str],
     ) -> Group:
         hello = json.loads(request.request_id or "{}")
         if hello.get("backend") != self.backend:
             self._record_failure("refused")
             raise TransferError("refused", f"server uses {self.backend}, client {hello}")
-        assert self._store is not None, "server not started"
-        pair_id = uuid.uuid4().hex
+        pair_id = secrets.token_hex(16)
+        store = pair_store.new_pair_store(self.group_timeout)
+        self._stores[pair_id] = store
+        pairs.append(pair_id)
         reply = json.dumps({"pair": pair_id, "backend": self.backend})
         await self._reply(loop, conn, framing.encode_reply(framing.STATUS_OK, reply))
         host = conn.getsockname()[0]
         try:
             return await asyncio.to_thread(
-                make_pair_group, self._store, pair_id, 0, self.backend, host, self.group_timeout
+                make_pair_group, store, 0, self.backend, host, self.group_timeout
             )
         except RuntimeError as exc:  # the client never joined
             self._record_failure("connection_lost")
@@ -200,10 +240,10 @@ class TorchKVServer(KVTransferServer):
 
 @dataclass
 class _Pair:
-    """The client's half of one pair: control socket, store connection, group."""
+    """The client's half of one pair: control socket, store, group."""
 
     sock: socket.socket
-    store: dist.TCPStore
+    store: dist.Store
     group: Group
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -261,7 +301,7 @@ class TorchKVClient(KVTransferClient):
             return pair
 
     async def _connect(self, address: str, timeout: float) -> _Pair:
-        host, port, params = framing.parse_address(address, "torch")
+        host, port, _ = framing.parse_address(address, "torch")
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
@@ -275,24 +315,18 @@ class TorchKVClient(KVTransferClient):
                 raise TransferError(framing.STATUS_REASONS.get(status, "protocol"), message)
             pair_id = json.loads(message)["pair"]
             local = sock.getsockname()[0]
-            store, group = await asyncio.to_thread(
-                self._join, host, int(params["store"]), pair_id, local, timeout
-            )
+            store = pair_store.RemoteStore((host, port), self.token or "", pair_id, timeout)
+            group = await asyncio.to_thread(self._join, store, local, timeout)
         except BaseException:
             sock.close()
             raise
         return _Pair(sock, store, group)
 
-    def _join(
-        self, host: str, store_port: int, pair_id: str, local: str, timeout: float
-    ) -> tuple[dist.TCPStore, Group]:
-        limit = datetime.timedelta(seconds=timeout)
+    def _join(self, store: dist.Store, local: str, timeout: float) -> Group:
         try:
-            store = dist.TCPStore(host, store_port, None, False, limit)
-            group = make_pair_group(store, pair_id, 1, self.backend, local, timeout)
+            return make_pair_group(store, 1, self.backend, local, timeout)
         except RuntimeError as exc:
             raise ConnectionResetError(f"pair group setup failed: {exc}") from exc
-        return store, group
 
     def _drop(self, address: str, pair: _Pair) -> None:
         if self._pairs.get(address) is pair:

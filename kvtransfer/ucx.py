@@ -18,8 +18,10 @@ TCP socket then closes; each connection's messages carry its own tags (``force_t
 endpoints sharing a UCX worker never see each other's frames. On a connection, messages are
 framed with :mod:`kvtransfer.framing`, each control frame sent as a u64 length then the bytes;
 a request goes as two frames, its header and token first, so the server checks the token
-before it takes the rest (at most ``MAX_CONNECTIONS`` connections, each closed when idle for
-``IDLE_SECONDS``):
+before it takes the rest. Connection limits are the rendezvous socket's, which lives as long as
+its connection (:mod:`kvtransfer.framing`): until the hello's token checks out it is in the
+small pre-auth budget (per peer address, ``PREAUTH_SECONDS``; no UCX endpoint exists yet), then
+one of at most ``MAX_CONNECTIONS``, each closed when idle for ``IDLE_SECONDS``:
 
     client: request head + rest  ──▶  server: reply frame (OK + byte count, or the error)
                                 server: payload (one tag message, the contiguous tensor)
@@ -251,6 +253,7 @@ class UcxKVServer(KVTransferServer):
             raise framing.ProtocolError("hello too large")
         token = await framing.recv_exactly(loop, sock, token_len)
         self.check_token(token.decode(errors="replace"))
+        self._rendezvous.authenticated(sock)  # out of the pre-auth budget (see framing)
         address = await framing.recv_exactly(loop, sock, address_len)
         to_server, to_client = TAGS.unpack(await framing.recv_exactly(loop, sock, TAGS.size))
         return address, to_client, to_server
