@@ -39,6 +39,14 @@ When Redis answers again after an outage, or answers with a new ``run_id`` (it r
 every key), the workers of the last view are kept for ``ttl_seconds`` while they re-register, so
 the router never sees an empty pool just because Redis came back before the heartbeats did.
 Every Redis call is bounded by socket timeouts and by ``asyncio.wait_for``.
+
+Records are untrusted input (whoever can write to Redis writes them): the view validates each one
+as a typed model (`RecordModel`: types, ranges, parseable addresses, known role and transport,
+at most ``MAX_RECORD_CHARS``) and skips a bad one, logged once per worker id and reason and
+listed in `RegistryView.rejected`. A worker holding the cluster token signs its record's identity
+(`record_proof`: HMAC-SHA256 under the token of its id, role, addresses, transport, model and
+fingerprint), and a view holding the token lists only records with a valid proof, so the token is
+only ever sent to addresses that a holder of the token registered.
 """
 
 from __future__ import annotations
@@ -46,10 +54,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import random
+import re
 import socket
 import time
 import uuid
@@ -57,10 +68,11 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, RedisError
@@ -172,6 +184,7 @@ class WorkerRecord:
     kv_blocks_total: int = 0
     prefix_caching: bool = True  # False: the router must not expect a prompt to be cached here
     updated_at: float = 0.0
+    proof: str = ""  # record_proof under the cluster token ("" from a worker without one)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -197,12 +210,9 @@ class WorkerRecord:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerRecord:
-        """Parse a record; unknown keys (from a newer writer) are ignored."""
-        data = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
-        values["fingerprint"] = Fingerprint.from_dict(data["fingerprint"])
-        return cls(**values)
+        """Parse and validate a record (ValueError if bad); unknown keys (from a newer writer)
+        are ignored."""
+        return RecordModel.model_validate_json(text).to_record()
 
 
 def new_worker_id(role: Role) -> str:
@@ -216,6 +226,150 @@ def incompatibility_reason(prefill: WorkerRecord, decode: WorkerRecord) -> str |
         return None
     diff = prefill.fingerprint.describe_diff(decode.fingerprint)
     return f"{prefill.worker_id} and {decode.worker_id} differ: {diff}"
+
+
+# -- validation of records read from Redis -----------------------------------------------------
+
+MAX_RECORD_CHARS = 16_384  # a real record is well under 1 KiB
+KVTransport = Literal["ucx", "torch", "tcp", "shm"]  # kvtransfer.TRANSPORTS (kept torch-free)
+KV_TRANSPORTS: tuple[str, ...] = get_args(KVTransport)
+PROOF_FIELDS = ("worker_id", "role", "grpc_address", "kv_address", "kv_transport", "model")
+_PROOF_CONTEXT = b"pdserve registry record v1\n"
+_HOSTNAME = re.compile(r"(?:[A-Za-z0-9_-]{1,63}\.)*[A-Za-z0-9_-]{1,63}")
+_QUERY = re.compile(r"[A-Za-z0-9._~%=&/+-]*")
+
+
+class RecordError(ValueError):
+    """A record read from Redis is not usable; the message says why (never echoes its bytes)."""
+
+
+def parse_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` (an IPv6 host in brackets) -> (host, port); ValueError if malformed."""
+    host, sep, port = address.rpartition(":")
+    if not (sep and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError("not host:port with a port in 1..65535")
+    try:
+        if host.startswith("[") and host.endswith("]"):
+            return str(ipaddress.IPv6Address(host[1:-1])), int(port)
+        if re.fullmatch(r"[0-9.]+", host):
+            return str(ipaddress.IPv4Address(host)), int(port)
+    except ValueError:
+        raise ValueError("its host is no valid IP address") from None
+    if len(host) > 253 or not _HOSTNAME.fullmatch(host):
+        raise ValueError("its host is no IP address or host name")
+    return host, int(port)
+
+
+def check_kv_address(address: str, transport: str) -> None:
+    """``[transport://]host:port[?query]``, or "" (a worker that serves no KV)."""
+    if not address:
+        return
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme != transport:
+        raise ValueError(f"kv_address has scheme {scheme[:16]!r}, kv_transport is {transport!r}")
+    rest, _, query = (rest if sep else address).partition("?")
+    if not _QUERY.fullmatch(query):
+        raise ValueError("kv_address has a malformed query")
+    try:
+        parse_host_port(rest)
+    except ValueError as exc:
+        raise ValueError(f"kv_address: {exc}") from None
+
+
+def _host_port(address: str) -> str:
+    parse_host_port(address)
+    return address
+
+
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+Token = Annotated[str, Field(pattern=r"^[!-~]{1,256}$")]  # printable ASCII, no blank
+Count = Annotated[int, Field(ge=0, le=1 << 48)]
+Size = Annotated[int, Field(ge=1, le=1 << 20)]
+Stamp = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class FingerprintModel(_Strict):
+    """`Fingerprint` as read from Redis: every field present, typed and in range."""
+
+    model_id: Name
+    weights_hash: Token
+    tokenizer_hash: Token
+    block_size: Size
+    kv_dtype: Token
+    num_layers: Size
+    num_kv_heads: Size
+    head_dim: Size
+
+
+class RecordModel(_Strict):
+    """`WorkerRecord` as read from Redis: every field present, typed and in range (strict: no
+    "16" for 16, no 1 for true); unknown keys, from a newer writer, are ignored."""
+
+    worker_id: Token
+    role: Role
+    grpc_address: Annotated[str, Field(max_length=300), AfterValidator(_host_port)]
+    kv_address: Annotated[str, Field(max_length=1024)]
+    kv_transport: KVTransport
+    model: Name
+    fingerprint: FingerprintModel
+    pid: Count
+    host: Annotated[str, Field(max_length=256)]
+    started_at: Stamp
+    draining: bool
+    num_running: Count
+    num_waiting: Count
+    kv_blocks_used: Count
+    kv_blocks_cached: Count
+    kv_blocks_total: Count
+    prefix_caching: bool
+    updated_at: Stamp
+    proof: Annotated[str, Field(max_length=128)] = ""  # absent from records of older workers
+
+    @model_validator(mode="after")
+    def _kv_address_fits_transport(self) -> RecordModel:
+        check_kv_address(self.kv_address, self.kv_transport)
+        return self
+
+    def to_record(self) -> WorkerRecord:
+        values = self.model_dump(exclude={"fingerprint"})
+        return WorkerRecord(**values, fingerprint=Fingerprint(**self.fingerprint.model_dump()))
+
+
+def record_proof(record: WorkerRecord, token: str) -> str:
+    """HMAC-SHA256 under the cluster token of the record's identity: what a worker holding the
+    token signs, so that a reader holding it trusts the addresses before sending it there."""
+    identity: dict[str, Any] = {name: getattr(record, name) for name in PROOF_FIELDS}
+    identity["fingerprint"] = dataclasses.asdict(record.fingerprint)
+    canonical = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+    return hmac.new(token.encode(), _PROOF_CONTEXT + canonical.encode(), hashlib.sha256).hexdigest()
+
+
+def read_record(worker_id: str, text: str | bytes, token: str | None) -> WorkerRecord:
+    """The record stored under ``worker_id``'s key, validated (and its proof checked when the
+    reader holds the cluster token); RecordError says why it is not usable."""
+    if len(text) > MAX_RECORD_CHARS:
+        raise RecordError(f"{len(text)} characters, over the {MAX_RECORD_CHARS} a record may have")
+    try:
+        record = RecordModel.model_validate_json(text).to_record()
+    except ValidationError as exc:
+        raise RecordError(_describe(exc)) from None
+    if record.worker_id != worker_id:
+        raise RecordError("its worker_id differs from the key it is stored under")
+    if token and not hmac.compare_digest(record.proof, record_proof(record, token)):
+        what = "no proof" if not record.proof else "a proof that does not match its identity"
+        raise RecordError(f"{what} under this cluster token (forged, or another token's)")
+    return record
+
+
+def _describe(exc: ValidationError) -> str:
+    """The first few errors, ``field: message``, without the offending values."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    text = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in errors[:3])
+    return text[:300] + (f" (+{len(errors) - 3} more)" if len(errors) > 3 else "")
 
 
 # -- configuration and connection --------------------------------------------------------------
@@ -234,6 +388,8 @@ class RegistryConfig:
     connect_timeout_seconds: float = 1.0
     max_backoff_seconds: float = 2.0
     max_prefix_hashes: int = 65_536
+    # Workers sign their record with it; views list only records signed with it (None: neither).
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_seconds < self.ttl_seconds:
@@ -284,6 +440,7 @@ def connect(config: RegistryConfig) -> aioredis.Redis:
         config.redis_url,
         **options,
         decode_responses=True,
+        encoding_errors="replace",  # a value that is not UTF-8 fails validation, not the read
         socket_timeout=config.socket_timeout_seconds,
         socket_connect_timeout=config.connect_timeout_seconds,
         retry=Retry(NoBackoff(), 1),
@@ -325,6 +482,8 @@ class WorkerRegistration:
     ) -> None:
         self.config = config
         self.load_fn = load_fn
+        if config.cluster_token:  # readers holding the token list only signed records
+            record = dataclasses.replace(record, proof=record_proof(record, config.cluster_token))
         self._record = record
         self._client = connect(config)
         self._task: asyncio.Task[None] | None = None
@@ -521,7 +680,7 @@ class RegistryView:
         self._grace_until = 0.0  # time.monotonic() until which the last view's workers are kept
         self._task: asyncio.Task[None] | None = None
         self._closing = False  # the watch loop's own stop signal (a cancel can be lost)
-        self._unreadable: set[str] = set()  # ids already warned about
+        self._rejected: dict[str, str] = {}  # id -> why the last refresh skipped its record
 
     @property
     def is_stale(self) -> bool:
@@ -532,6 +691,16 @@ class RegistryView:
     def last_error(self) -> str | None:
         """Why the last refresh failed, None after a good one."""
         return self._last_error
+
+    @property
+    def rejected(self) -> dict[str, str]:
+        """Worker ids whose record the last refresh skipped, and why (for logs and metrics)."""
+        return dict(self._rejected)
+
+    @property
+    def num_rejected(self) -> int:
+        """How many records the last refresh skipped as invalid or unsigned."""
+        return len(self._rejected)
 
     @property
     def age_seconds(self) -> float | None:
@@ -678,10 +847,14 @@ class RegistryView:
         pipe.smembers(self.config.index_key)
         info, members = await pipe.execute()
         run_id = str(info.get("run_id", ""))
-        ids = sorted(str(m) for m in members)
-        if not ids:
-            return run_id, {}, []
-        values = await self._client.mget([self.config.worker_key(i) for i in ids])
+        rejected: dict[str, str] = {}
+        ids = []
+        for member in sorted(str(m) for m in members):
+            if _WORKER_ID.fullmatch(member):
+                ids.append(member)
+            else:
+                rejected[member] = "the index names an invalid worker id"
+        values = await self._client.mget([self.config.worker_key(i) for i in ids]) if ids else []
         records: dict[str, WorkerRecord] = {}
         dead: list[str] = []
         for worker_id, value in zip(ids, values):
@@ -689,12 +862,18 @@ class RegistryView:
                 dead.append(worker_id)
                 continue
             try:
-                records[worker_id] = WorkerRecord.from_json(value)
-            except (ValueError, KeyError, TypeError) as exc:
-                if worker_id not in self._unreadable:
-                    logger.warning("ignoring unreadable record of %s: %s", worker_id, exc)
-                self._unreadable.add(worker_id)
+                records[worker_id] = read_record(worker_id, value, self.config.cluster_token)
+            except RecordError as exc:
+                rejected[worker_id] = str(exc)
+        self._note_rejected(rejected)
         return run_id, records, dead
+
+    def _note_rejected(self, rejected: dict[str, str]) -> None:
+        """Log each skipped record once per worker id and reason, not at every refresh."""
+        for worker_id, reason in rejected.items():
+            if self._rejected.get(worker_id) != reason:
+                logger.warning("skipping the registry record of %s: %s", _shown(worker_id), reason)
+        self._rejected = rejected
 
     async def _prune(self, dead: list[str]) -> None:
         """SREM dead ids from the index (a live worker that races this re-adds itself)."""
@@ -708,6 +887,13 @@ class RegistryView:
         while not self._closing:
             await self.refresh()
             await asyncio.sleep(interval)
+
+
+_WORKER_ID = re.compile(r"[!-~]{1,256}")  # RecordModel.worker_id
+
+
+def _shown(worker_id: str) -> str:
+    return repr(worker_id if len(worker_id) <= 80 else worker_id[:77] + "...")
 
 
 def _leading_true(hits: Sequence[Any]) -> int:

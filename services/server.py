@@ -191,6 +191,7 @@ class Worker:
                 prefix=config.redis_prefix,
                 ttl_seconds=config.ttl_seconds,
                 heartbeat_seconds=config.heartbeat_seconds,
+                cluster_token=config.cluster_token,  # signs our record, checks handles' peers
             )
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[bool]] = set()
