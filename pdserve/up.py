@@ -690,11 +690,20 @@ class UpSystem:
     def _router_lists(self, worker_id: str) -> bool:
         """Whether the router's view holds ``worker_id``, healthy (/v1/workers)."""
         request = urllib.request.Request(self.url + "/v1/workers")
-        if self.config.router.api_key:
-            request.add_header("Authorization", f"Bearer {self.config.router.api_key}")
+        router = self.config.router
+        token = self.secrets.get("PDSERVE_CLUSTER_TOKEN") if router.ops_need_token else None
+        if token or router.api_key:
+            request.add_header("Authorization", f"Bearer {token or router.api_key}")
         try:
             with urllib.request.urlopen(request, timeout=2) as answer:
                 rows = json.load(answer)["data"]
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401:
+                return False
+            # Keys only in --api-keys-file: it is registered, the router sees it within a
+            # refresh period or two.
+            time.sleep(2 * router.refresh_seconds + 0.5)
+            return True
         except (urllib.error.URLError, OSError, ValueError, KeyError):
             return False
         return any(row.get("id") == worker_id and row.get("healthy") for row in rows)
