@@ -153,7 +153,9 @@ async def start_grpc(add: Callable[[grpc.aio.Server], None]) -> tuple[grpc.aio.S
     return server, f"127.0.0.1:{port}"
 
 
-async def serve_fakes(fingerprint: dict[str, Any], redis_url: str, prefix: str, conn: Any) -> None:
+async def serve_fakes(
+    fingerprint: dict[str, Any], redis_url: str, prefix: str, token: str, conn: Any
+) -> None:
     from services.registry import (
         Fingerprint,
         RegistryConfig,
@@ -171,7 +173,8 @@ async def serve_fakes(fingerprint: dict[str, Any], redis_url: str, prefix: str, 
     decode, decode_address = await start_grpc(
         lambda s: pb_grpc.add_DecodeServiceServicer_to_server(FakeDecode(), s)
     )
-    registry = RegistryConfig(redis_url=redis_url, prefix=prefix)
+    # signed with the router's cluster token: the router lists only records that prove it
+    registry = RegistryConfig(redis_url=redis_url, prefix=prefix, cluster_token=token)
     fakes: list[tuple[str, Role, str]] = [
         (fake_prefill.worker_id, "prefill", prefill_address),
         (f"decode-fake-{uuid.uuid4().hex[:6]}", "decode", decode_address),
@@ -194,9 +197,11 @@ async def serve_fakes(fingerprint: dict[str, Any], redis_url: str, prefix: str, 
     await asyncio.gather(prefill.stop(0.5), decode.stop(0.5))
 
 
-def fakes_main(fingerprint: dict[str, Any], redis_url: str, prefix: str, conn: Any) -> None:
+def fakes_main(
+    fingerprint: dict[str, Any], redis_url: str, prefix: str, token: str, conn: Any
+) -> None:
     """Entry point of the fake workers' process."""
-    asyncio.run(serve_fakes(fingerprint, redis_url, prefix, conn))
+    asyncio.run(serve_fakes(fingerprint, redis_url, prefix, token, conn))
 
 
 # -- the clients --------------------------------------------------------------------------------
@@ -388,12 +393,12 @@ class ProfiledRouter(WorkerProcess):
         return super().terminate(timeout)
 
 
-def start_fakes(fp: Any, redis_url: str, prefix: str) -> tuple[Any, dict[str, str]]:
+def start_fakes(fp: Any, redis_url: str, prefix: str, token: str) -> tuple[Any, dict[str, str]]:
     """The fake workers' process (spawned: a fresh interpreter, its own event loop)."""
     context = mp.get_context("spawn")
     parent, child = context.Pipe()
     process = context.Process(
-        target=fakes_main, args=(asdict(fp), redis_url, prefix, child), daemon=True
+        target=fakes_main, args=(asdict(fp), redis_url, prefix, token, child), daemon=True
     )
     process.start()
     if not parent.poll(60):
@@ -412,7 +417,8 @@ async def running_setup(args: argparse.Namespace) -> AsyncIterator[Setup]:
     fp = Fingerprint(model.model_id, "fake", model.tokenizer_hash, 16, "float32", 30, 3, 64)
     prefix = f"bench{uuid.uuid4().hex[:6]}:"
     with RedisServer() as redis:
-        fakes, addresses = await asyncio.to_thread(start_fakes, fp, redis.url, prefix)
+        token = uuid.uuid4().hex
+        fakes, addresses = await asyncio.to_thread(start_fakes, fp, redis.url, prefix, token)
         flags = ["--port", "0", "--redis-url", redis.url, "--redis-prefix", prefix]
         # The flow the fakes implement and "direct" repeats: Prefill, then Generate with the
         # first token (not a local prefill on the decode worker, nor a streamed KV handle).
@@ -420,7 +426,7 @@ async def running_setup(args: argparse.Namespace) -> AsyncIterator[Setup]:
         flags += args.router_arg
         # A cluster token as in production (the router sends it on every call; the fakes
         # do not check it): the router refuses to start without one.
-        env = {"PYTHONPATH": str(ROOT), "PDSERVE_CLUSTER_TOKEN": uuid.uuid4().hex}
+        env = {"PYTHONPATH": str(ROOT), "PDSERVE_CLUSTER_TOKEN": token}
         router = (
             ProfiledRouter(flags, env, args.profile)
             if args.profile

@@ -77,6 +77,7 @@ class Gateway:
             password=config.redis_password,
             prefix=config.redis_prefix,
             ttl_seconds=config.ttl_seconds,
+            cluster_token=config.cluster_token,  # lists only workers that prove they hold it
             heartbeat_seconds=min(1.0, config.ttl_seconds / 2),
         )
         self.view = RegistryView(registry)
@@ -87,6 +88,7 @@ class Gateway:
             lambda pool: orchestrator.num_pool_requests[pool],  # type: ignore[index]
             orchestrator.kv_usage,  # type: ignore[arg-type]
         )
+        self.metrics.watch_registry(lambda: self.view.num_rejected)
         self.metrics.track_slos(config.ttft_slo_seconds, config.itl_slo_seconds)
         self.keys = ClientKeys.load(config.api_key, config.api_keys_file)
         self.admission = Admission(config, model.longest_token_bytes, self.metrics)

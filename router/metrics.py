@@ -146,6 +146,15 @@ class RouterMetrics:
         for pool in POOLS:
             gauge.labels(pool=pool).set_function(functools.partial(count, pool))
 
+    def watch_registry(self, num_rejected: Callable[[], int]) -> None:
+        """A gauge of the registry records the view skipped (bad, or not proven), at scrape."""
+        Gauge(
+            "pdserve_router_registry_records_rejected",
+            "Worker records in the registry that the router skips: malformed, or without a valid "
+            "proof of the cluster token (each is logged once, with why)",
+            registry=self.registry,
+        ).set_function(num_rejected)
+
     def watch_pools(
         self, num_requests: Callable[[str], int], kv_usage: Callable[[str], float]
     ) -> None:

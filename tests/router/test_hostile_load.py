@@ -207,3 +207,25 @@ def report(log: Log, alone: float) -> None:
             f"{kind:12s} n={len(seconds):4d} median {p50 * 1e3:7.0f} ms  max {worst * 1e3:7.0f} ms"
             f"  statuses {statuses}"
         )
+
+
+def test_two_keys_never_share_cached_prompt_blocks(stack: Stack) -> None:
+    """Each key gets its own cache salt by default: the same prompt sent again by its key hits
+    the prefix cache, sent by the other key it does not (cached_tokens 0), and a salt a request
+    names is kept within its key's (the other key naming the same salt still misses)."""
+    prompt = "Tenant isolation: " + " ".join(f"fact {i} is {i * 7}." for i in range(40))
+
+    def cached(key: str, **extra: Any) -> int:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
+        response = httpx.post(
+            stack.router.url + "/v1/completions", json=body, headers=headers(key), timeout=60
+        )
+        assert response.status_code == 200, response.text
+        return int(response.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(HONEST) == 0
+    assert cached(HONEST) > 0  # its own blocks
+    assert cached(HOSTILE) == 0  # the same prompt, another tenant
+    assert cached(HONEST, cache_salt="shared") == 0
+    assert cached(HOSTILE, cache_salt="shared") == 0  # a guessed salt stays within its key
+    assert cached(HONEST, cache_salt="shared") > 0

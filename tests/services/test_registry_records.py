@@ -511,17 +511,13 @@ def test_bad_records_in_the_routers_registry_never_make_a_5xx(
             _serve_requests(router, 6)
             _check_workers_listing(router, set(real))
         assert router.get("/health")[0] == 200 and router.get("/ready")[0] == 200
+        assert router.metric("pdserve_router_registry_records_rejected") >= len(typed)
     finally:
         client.delete(*[cfg.worker_key(i) for i in (*typed, *junk)])
         client.srem(cfg.index_key, *typed, *junk)
     assert all(wait_until(lambda w=w: blocks_in_use(w) == 0) for w in c.workers)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the router's view holds no token until router/gateway.py passes "
-    "cluster_token=config.cluster_token to RegistryConfig (remove this mark with that line)",
-)
 def test_a_real_router_never_calls_a_forged_record(live: tuple[Cluster, Router]) -> None:
     """Forged prefill and decode records (no proof, a junk one, a real worker's proof for the
     trap's address, one under another token) point at a plain TCP listener, and look idle and
