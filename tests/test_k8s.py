@@ -447,14 +447,16 @@ def test_pdserve_variables_are_flags_of_the_command_that_reads_them(
 def test_termination_grace_covers_prestop_and_drain(builds: dict[str, list[Object]]) -> None:
     server_source = (ROOT / "router" / "server.py").read_text()
     router_shutdown = re.search(r"timeout_graceful_shutdown=(\d+)", server_source)
-    assert router_shutdown is not None
+    router_drain = re.search(r"^DRAIN_SECONDS = ([\d.]+)", server_source, re.MULTILINE)
+    assert router_shutdown is not None and router_drain is not None
     for name, objects in builds.items():
         for deployment, container in pdserve_containers(objects):
             pod = pod_spec(deployment)
             grace = pod["terminationGracePeriodSeconds"]
             args = parsed_command(container, container_env(container, pod, objects))
             if container["args"][0] == "router":
-                needed = pre_stop_seconds(container) + float(router_shutdown.group(1))
+                needed = pre_stop_seconds(container) + float(router_drain.group(1))
+                needed += float(router_shutdown.group(1))
             else:
                 # The kubelet counts the preStop hook against the grace period.
                 needed = pre_stop_seconds(container) + args.drain_seconds + 10
