@@ -19,8 +19,10 @@ Lifecycle of one pull (:class:`TransferState`)::
   :class:`TransferError` and returns nothing: there is never partial data.
 
 Server lifecycle: created ──start()──▶ serving ──stop()──▶ stopped. Client lifecycle: created
-──pull()*──▶ close(). Integrity is end to end: P computes :func:`block_checksums` when it pins
-the blocks, D calls :func:`verify_checksums` after the pull (or
+──pull()*──▶ close(). Each endpoint runs its blocking work (gathers, torch's collectives) in
+thread pools of its own (``run_blocking``), never in asyncio's default executor, and ``stop()``
+/ ``close()`` shut them down. Integrity is end to end: P computes :func:`block_checksums` when
+it pins the blocks, D calls :func:`verify_checksums` after the pull (or
 :meth:`KVTransferClient.pull_verified`, which does both).
 """
 
@@ -29,15 +31,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import enum
+import functools
 import hmac
 import json
 import math
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -58,6 +62,13 @@ FAILURE_REASONS = (
 
 # The longest one send of a server waits for its reader when its source has no lease.
 DEFAULT_SEND_SECONDS = 10.0
+# Threads of an endpoint's own pool for its copies of blocks (gathers): a copy never waits on a
+# peer, so a few keep up with every connection, and nothing else in the process (a prefill's
+# checksums in asyncio's default executor, a transport's collectives) waits behind them or
+# makes them wait.
+COPY_THREADS = 4
+
+T = TypeVar("T")
 
 
 class TransferState(enum.Enum):
@@ -223,6 +234,31 @@ class _Endpoint:
     def __init__(self, metrics: TransferMetrics | None):
         self.stats = TransferStats()
         self.metrics = metrics or TransferMetrics()
+        # Threads are named after their endpoint, so one that outlives it shows by name.
+        self.thread_prefix = f"kv-{type(self).__name__}-{id(self):x}"
+        self._pools: list[ThreadPoolExecutor] = []
+        self._copies = self.thread_pool(COPY_THREADS, "copy")
+
+    def thread_pool(self, num_threads: int, name: str) -> ThreadPoolExecutor:
+        """A pool of at most ``num_threads`` (started on demand) for one kind of this
+        endpoint's blocking work, shut down with the endpoint."""
+        pool = ThreadPoolExecutor(num_threads, thread_name_prefix=f"{self.thread_prefix}-{name}")
+        self._pools.append(pool)
+        return pool
+
+    async def run_blocking(
+        self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None
+    ) -> T:
+        """``fn(*args)`` in ``pool`` (the endpoint's copy threads by default), off the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool or self._copies, functools.partial(fn, *args))
+
+    def shutdown_threads(self) -> None:
+        """End the endpoint's threads; stop() and close() call it. Work queued is dropped; a
+        thread busy (a collective waiting on its peer) ends when its work does, by its
+        timeout: the loop never waits for it."""
+        for pool in self._pools:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _record_ok(self, num_bytes: int, seconds: float, direction: str) -> None:
         self.stats.record_ok(num_bytes, seconds)
@@ -278,7 +314,7 @@ class KVTransferServer(_Endpoint, abc.ABC):
 
     @abc.abstractmethod
     async def stop(self) -> None:
-        """Stop listening and drop open connections; idempotent."""
+        """Stop listening, drop open connections and :meth:`shutdown_threads`; idempotent."""
 
     def check_token(self, token: str) -> None:
         """Refuse (TransferError "refused", counted) a client whose token differs from ours."""
@@ -292,7 +328,7 @@ class KVTransferServer(_Endpoint, abc.ABC):
         from without further checks, even if the lease ran out meanwhile).
 
         Raises TransferError (unknown_request | internal), counted. Blocking: transports call
-        it from a worker thread for large transfers.
+        it through :meth:`run_blocking` for large transfers.
         """
         try:
             if isinstance(self.source, BlockRowSource):
@@ -560,7 +596,7 @@ class KVTransferClient(_Endpoint, abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None:
-        """Close cached connections; idempotent."""
+        """Close cached connections and :meth:`shutdown_threads`; idempotent."""
 
 
 def bytes_per_row(blocks: torch.Tensor) -> int:

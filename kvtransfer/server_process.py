@@ -88,15 +88,27 @@ async def _serve(spec: ServerSpec, source: TensorBlockSource, conn: Connection) 
 
     server = make_server(spec.transport, source, spec.layout, spec.token, **spec.options)
     conn.send(await server.start("127.0.0.1"))
-    loop = asyncio.get_running_loop()
     while True:
-        command = await loop.run_in_executor(None, conn.recv)
+        command = await _next_command(conn)
         if command == "stats":
             conn.send(asdict(server.stats))
         elif command == "stop":
             await server.stop()
             conn.send("stopped")
             return
+
+
+async def _next_command(conn: Connection) -> Any:
+    """The parent's next command, awaited on the loop: no thread waits on the pipe (one of the
+    default executor's, before, for the child's whole life)."""
+    loop = asyncio.get_running_loop()
+    readable = asyncio.Event()
+    loop.add_reader(conn.fileno(), readable.set)
+    try:
+        await readable.wait()
+    finally:
+        loop.remove_reader(conn.fileno())
+    return conn.recv()  # a small message, whole once readable (EOFError: the parent is gone)
 
 
 class ServerProcess:

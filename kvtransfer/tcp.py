@@ -9,7 +9,8 @@ with the total byte count -> send the bytes:
 - zero copy, when the source lends its rows (:class:`~kvtransfer.base.BlockRowSource`, host
   memory): each row straight from the KV cache; the kernel's copy is the only one;
 - otherwise gathered (``read_blocks``) in pieces of ``chunk_bytes``, each sent from a
-  memoryview while the next is gathered in a thread.
+  memoryview while the next is gathered in one of the server's own copy threads
+  (:meth:`~kvtransfer.base.KVTransferServer.run_blocking`).
 
 A failure after the OK reply closes the connection, which the client sees as
 ``connection_lost``. Every send has a deadline (``send_timeout``, the lease by default, for each
@@ -50,7 +51,7 @@ from kvtransfer.base import (
 from kvtransfer.connection_pool import ConnectionPool
 from kvtransfer.streaming import ready_pull
 
-# Below this many bytes the gather runs on the event loop; above, in a worker thread.
+# Below this many bytes the gather runs on the event loop; above, in the server's copy threads.
 INLINE_GATHER_BYTES = 1 << 20
 # Large pulls are gathered and sent in pieces of this size, so gathering overlaps sending.
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -84,6 +85,7 @@ class TcpKVServer(KVTransferServer):
 
     async def stop(self) -> None:
         await self._listener.stop()
+        self.shutdown_threads()
 
     async def _serve_connection(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -215,11 +217,13 @@ class TcpKVServer(KVTransferServer):
             await asyncio.wait_for(loop.sock_sendall(conn, piece), self.send_timeout)
 
     async def _gather(self, request: framing.Request, block_ids: list[int]) -> torch.Tensor:
-        """Blocks of ``request`` in host memory (in a worker thread unless small)."""
-        args = (request.request_id, block_ids)
+        """Blocks of ``request`` in host memory (in a copy thread unless small)."""
         if len(block_ids) * self.layout.bytes_per_block <= INLINE_GATHER_BYTES:
-            return self.read_blocks(*args).cpu()
-        return await asyncio.to_thread(lambda: self.read_blocks(*args).cpu())
+            return self._read_to_host(request.request_id, block_ids)
+        return await self.run_blocking(self._read_to_host, request.request_id, block_ids)
+
+    def _read_to_host(self, request_id: str, block_ids: list[int]) -> torch.Tensor:
+        return self.read_blocks(request_id, block_ids).cpu()
 
 
 class TcpKVClient(KVTransferClient):
@@ -276,6 +280,7 @@ class TcpKVClient(KVTransferClient):
 
     async def close(self) -> None:
         self.connections.close_all()
+        self.shutdown_threads()
 
 
 async def _connect(key: tuple[str, int], timeout: float) -> socket.socket:

@@ -17,9 +17,11 @@ Address: ``torch://HOST:CONTROL_PORT``. The control channel uses the tcp transpo
    byte count -> server ``send`` / client ``recv`` of the contiguous tensor (as bytes) straight
    into the client's preallocated output.
 
-Blocking collectives run in worker threads with the pull's timeout, so the event loop never
-blocks; after any failure or timeout both sides drop the pair (its group may be mid-message),
-and the next pull builds a new one.
+Blocking collectives (group joins, send, recv) run with the pull's timeout in threads of the
+endpoint's own ``collective`` pool, so the event loop never blocks, and a collective stalled on
+its peer until that timeout delays neither the endpoint's gathers (its copy threads) nor
+anything else in the process; after any failure or timeout both sides drop the pair (its group
+may be mid-message), and the next pull builds a new one.
 
 Injected faults (``faults=``, testing only): ``drop`` closes the control connection before the
 reply (after an OK the client would sit in gloo's ``recv`` until its timeout), ``corrupt``
@@ -46,6 +48,10 @@ from kvtransfer.base import KVTransferClient, KVTransferServer, PullRequest, Tra
 from kvtransfer.streaming import ready_pull
 
 TAG = 0  # one message at a time per pair, so a single tag suffices
+# Threads of an endpoint's collective pool (started on demand): a pair runs one collective at a
+# time, so with one per connection a listener admits, no pair waits for a thread behind another
+# pair's stalled send or recv.
+COLLECTIVE_THREADS = framing.MAX_CONNECTIONS
 # A c10d backend object (ProcessGroupGloo / ProcessGroupNCCL); torch's stubs lack send/recv.
 Group = Any
 
@@ -101,6 +107,7 @@ class TorchKVServer(KVTransferServer):
         self.group_timeout = group_timeout
         self._listener = framing.SocketListener(self._serve_connection)
         self._stores: dict[str, dist.Store] = {}  # pair id -> its rendezvous store
+        self._collectives = self.thread_pool(COLLECTIVE_THREADS, "collective")
 
     async def start(self, host: str = "127.0.0.1", advertise_host: str | None = None) -> str:
         port = self._listener.start(host)
@@ -109,6 +116,7 @@ class TorchKVServer(KVTransferServer):
     async def stop(self) -> None:
         await self._listener.stop()
         self._stores.clear()
+        self.shutdown_threads()
 
     async def _serve_connection(self, conn: socket.socket) -> None:
         """One pair (CONNECT first, then PULLs; the pair's group and store die with the
@@ -200,9 +208,8 @@ class TorchKVServer(KVTransferServer):
         await self._reply(loop, conn, framing.encode_reply(framing.STATUS_OK, reply))
         host = conn.getsockname()[0]
         try:
-            return await asyncio.to_thread(
-                make_pair_group, store, 0, self.backend, host, self.group_timeout
-            )
+            group_args = (store, 0, self.backend, host, self.group_timeout)
+            return await self.run_blocking(make_pair_group, *group_args, pool=self._collectives)
         except RuntimeError as exc:  # the client never joined
             self._record_failure("connection_lost")
             raise ConnectionResetError(f"pair group setup failed: {exc}") from exc
@@ -219,7 +226,7 @@ class TorchKVServer(KVTransferServer):
         args = (request.request_id, request.block_ids, request.bytes_per_block)
         with self.holding(*args):  # a copy is sent, but expiry waits for it all the same
             await self.pause_mid_transfer()
-            blocks = await asyncio.to_thread(self.read_blocks, *args[:2])
+            blocks = await self.run_blocking(self.read_blocks, *args[:2])
         fault = self.draw_fault()
         if fault == "drop":  # the pair is dropped with the connection, as after any failure
             raise ConnectionResetError("injected fault: pull dropped")
@@ -231,7 +238,8 @@ class TorchKVServer(KVTransferServer):
         if not num_bytes:  # a streamed part with nothing ready yet
             return
         try:
-            await asyncio.to_thread(_send, group, blocks, self.group_timeout)
+            timeout = self.group_timeout
+            await self.run_blocking(_send, group, blocks, timeout, pool=self._collectives)
         except RuntimeError as exc:
             self._record_failure("connection_lost")
             raise ConnectionResetError(f"send failed: {exc}") from exc
@@ -262,6 +270,7 @@ class TorchKVClient(KVTransferClient):
         self.backend = backend_for(self.device)
         self._pairs: dict[str, _Pair] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._collectives = self.thread_pool(COLLECTIVE_THREADS, "collective")
 
     async def _pull_into(self, pull: PullRequest) -> tuple[int, str]:
         pair = await self._pair(pull.address, pull.timeout)
@@ -286,7 +295,8 @@ class TorchKVClient(KVTransferClient):
         self._mark_transferring(pull.request_id)
         if num:
             try:
-                await asyncio.to_thread(_recv, pair.group, pull.out[:num], pull.timeout)
+                out, timeout = pull.out[:num], pull.timeout
+                await self.run_blocking(_recv, pair.group, out, timeout, pool=self._collectives)
             except RuntimeError as exc:
                 raise ConnectionResetError(f"recv failed: {exc}") from exc
         return num, message
@@ -316,7 +326,8 @@ class TorchKVClient(KVTransferClient):
             pair_id = json.loads(message)["pair"]
             local = sock.getsockname()[0]
             store = pair_store.RemoteStore((host, port), self.token or "", pair_id, timeout)
-            group = await asyncio.to_thread(self._join, store, local, timeout)
+            join = (store, local, timeout)
+            group = await self.run_blocking(self._join, *join, pool=self._collectives)
         except BaseException:
             sock.close()
             raise
@@ -337,3 +348,4 @@ class TorchKVClient(KVTransferClient):
         for pair in self._pairs.values():
             pair.close()
         self._pairs.clear()
+        self.shutdown_threads()

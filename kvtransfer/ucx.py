@@ -167,12 +167,18 @@ class TaggedEndpoint:
 
     async def _unless_lost(self, operation: Any) -> None:
         work = asyncio.ensure_future(operation)
+        try:
+            await self._until_done_or_lost(work)
+        except BaseException:  # lost, or cancelled: the operation is given up
+            _give_up(work)
+            raise
+        work.result()
+
+    async def _until_done_or_lost(self, work: asyncio.Future[Any]) -> None:
+        """Return when ``work`` is done; ConnectionResetError when the peer closed first."""
         lost = asyncio.ensure_future(self.lost.wait())
         try:
             await asyncio.wait({work, lost}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            work.cancel()
-            raise
         finally:
             lost.cancel()
         if not work.done():
@@ -180,9 +186,20 @@ class TaggedEndpoint:
             # what it sent before closing gets a moment to arrive.
             await asyncio.wait({work}, timeout=LOST_GRACE_SECONDS)
         if not work.done():
-            work.cancel()
             raise ConnectionResetError("the peer closed the connection")
-        work.result()
+
+
+def _give_up(work: asyncio.Future[Any]) -> None:
+    """Cancel ``work`` and take its outcome whenever it comes: an operation already failed, or
+    one that fails when its endpoint is aborted (UCXXCanceledError), is otherwise logged as
+    "Task exception was never retrieved"."""
+    work.cancel()
+    work.add_done_callback(_take_outcome)
+
+
+def _take_outcome(work: asyncio.Future[Any]) -> None:
+    if not work.cancelled():
+        work.exception()
 
 
 def _hello(token: str, address: bytes, tags: tuple[int, int]) -> bytes:
@@ -220,6 +237,7 @@ class UcxKVServer(KVTransferServer):
         for ep in list(self._endpoints):
             _abort(ep)
         await self._rendezvous.stop()  # ends every connection's handler
+        self.shutdown_threads()
 
     async def _handshake(self, sock: socket.socket) -> None:
         """A connection's life on the rendezvous socket: the hello (token first), an endpoint
@@ -282,7 +300,7 @@ class UcxKVServer(KVTransferServer):
             args = (request.request_id, request.block_ids, request.bytes_per_block)
             with self.holding(*args):  # a copy is sent, but expiry waits for it all the same
                 await self.pause_mid_transfer()
-                blocks = await asyncio.to_thread(self.read_blocks, *args[:2])
+                blocks = await self.run_blocking(self.read_blocks, *args[:2])
         except framing.ProtocolError as exc:
             self._record_failure("protocol")
             await self._within(_send_frame(ep, framing.error_reply("protocol", str(exc))))
@@ -357,7 +375,7 @@ class UcxKVClient(KVTransferClient):
                 try:
                     reply = framing.parse_reply(await _recv_frame(ep))
                 except BaseException:
-                    rest.cancel()
+                    _give_up(rest)
                     raise
                 if reply[0] == framing.STATUS_OK:
                     await rest
@@ -415,3 +433,4 @@ class UcxKVClient(KVTransferClient):
 
     async def close(self) -> None:
         self.connections.close_all()
+        self.shutdown_threads()
