@@ -28,8 +28,9 @@ every component is replaced, one at a time, without a failed request::
              the old one (it stops accepting, answers what its connections still send with
              ``Connection: close``, exits; see `router.server`)
     worker:  start a second worker with the same arguments -> its ready line (it is registered)
-             -> the router lists it -> SIGTERM the old one (it deregisters, refuses new calls,
-             which the router retries on the new one, and finishes those in flight)
+             -> the router lists it -> SIGTERM the old one (marked draining, it refuses new
+             calls, which the router retries on the new one, finishes those in flight, waits
+             for the KV blocks it handed out to be pulled, then deregisters; `services.server`)
 
 The router's port is bound here, once, and handed to every router this process starts (an
 inherited descriptor, ``PDSERVE_LISTEN_FD``): connections wait in the one accept queue while
