@@ -12,6 +12,8 @@ def sequence_seed(seed: int, index: int) -> int:
     return (seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
+
 _MASK64 = (1 << 64) - 1
 _GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment (2**64 / the golden ratio, odd)
 
@@ -58,12 +60,18 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return beside the sampled token
     skip_special_tokens: bool = True
+    # token id -> added to its logit before any other processing (OpenAI's logit_bias)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # The prompt tokens' log-probabilities (from the second token on) with this many top
+    # alternatives each (vLLM's prompt_logprobs); None: not computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -92,6 +100,14 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0 or not -100 <= bias <= 100:
+                rule = "maps token ids (>= 0) to biases in [-100, 100]"
+                raise ValueError(f"logit_bias {rule}, got {token}: {bias}")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
 

@@ -46,6 +46,8 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         skip_special_tokens=p.skip_special_tokens,
+        logit_bias=dict(p.logit_bias),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 
@@ -64,7 +66,10 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=s.stop_token_ids,
         ignore_eos=s.ignore_eos,
         skip_special_tokens=s.skip_special_tokens,
+        logit_bias=s.logit_bias,
     )
+    if s.prompt_logprobs is not None:
+        msg.prompt_logprobs = s.prompt_logprobs
     if s.seed is not None:
         msg.seed = s.seed
     if s.logprobs is not None:

@@ -26,7 +26,7 @@ from router.edge import PARSED, EdgeMiddleware, TraceMiddleware
 from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, new_request_id, now_unix
 from router.protocol import ChatCompletionRequest, CompletionRequest
-from router.responses import DONE, ResponseBuilder
+from router.responses import DONE, Prompt, ResponseBuilder
 from router.worker_calls import Chunk, SubRequest
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,23 @@ def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBui
         include_usage=body.include_usage,
     )
     builder.usage.prompt_tokens = sum(len(s.prompt_token_ids) for s in subs)
+    _expect_prompts(builder, subs, body)
     return builder
+
+
+def _expect_prompts(builder: ResponseBuilder, subs: list[SubRequest], body: Any) -> None:
+    """What the builder shows of the prompts: echo (completions) and their logprobs."""
+    echo = bool(getattr(body, "echo", False))
+    texts = body.prompts() if echo else [""] * len(subs)
+    decode = builder.tokenizer.decode
+    prompts = [
+        Prompt(
+            s.prompt_token_ids, t if isinstance(t, str) else decode(t, skip_special_tokens=False)
+        )
+        for s, t in zip(subs, texts)
+    ]
+    drop = echo and body.max_tokens == 0
+    builder.expect_prompts(prompts, echo, drop, body.num_prompt_logprobs)
 
 
 async def _respond(

@@ -7,6 +7,7 @@ No tensors here: token ids and text only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams
@@ -23,6 +24,9 @@ class Chunk:
     token_ids: list[int]
     logprobs: list[list[tuple[int, float]]]  # per token: (token, logprob), sampled token first
     finish_reason: str | None = None
+    # The prompt's logprobs, on the chunk of the worker that computed the prompt: per prompt
+    # token (token, logprob) pairs, the token first; the first token's list is empty.
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -42,6 +46,11 @@ class SubRequest:
 
 def entries(message: pb.TokenLogprobs) -> list[tuple[int, float]]:
     return [(e.token_id, e.logprob) for e in message.entries]
+
+
+def prompt_entries(messages: Sequence[pb.TokenLogprobs]) -> list[list[tuple[int, float]]] | None:
+    """A worker's prompt logprobs (from the second token on), or None when it sent none."""
+    return [[], *(entries(m) for m in messages)] if messages else None
 
 
 def first_message(sub: SubRequest, pool: Role, message: pb.GenerateChunk) -> None:
@@ -71,6 +80,7 @@ def chunk_of(message: pb.GenerateChunk, with_logprobs: bool) -> Chunk:
         token_ids=list(message.token_ids),
         logprobs=[entries(lp) for lp in message.logprobs] if with_logprobs else [],
         finish_reason=message.finish_reason or None,
+        prompt_logprobs=prompt_entries(message.prompt_logprobs),
     )
 
 
@@ -85,4 +95,5 @@ def first_chunk(sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
         token_ids=[answer.first_token],
         logprobs=[entries(answer.logprobs)] if sub.params.logprobs is not None else [],
         finish_reason=answer.finish_reason or None,
+        prompt_logprobs=prompt_entries(answer.prompt_logprobs),
     )

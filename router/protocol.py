@@ -1,11 +1,13 @@
 """The OpenAI request bodies the gateway accepts, validated at the edge (pydantic).
 
-Fields OpenAI defines but pdserve cannot honour (tools, logit_bias, echo, suffix, best_of != n,
-non-text content) are refused with a 400 naming them rather than silently ignored; unknown
-extra fields are ignored, as OpenAI's own server does. vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens) are accepted too, and so
-is its ``cache_salt``: a request's prefix-cache hits (and ``cached_tokens``) are only blocks
-computed under the same salt.
+Fields OpenAI defines but pdserve cannot honour (tools, suffix, best_of != n, non-text content)
+are refused with a 400 naming them rather than silently ignored; unknown extra fields are
+ignored, as OpenAI's own server does. vLLM's sampling extensions (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, prompt_logprobs) are
+accepted too, and so is its ``cache_salt``: a request's prefix-cache hits (and
+``cached_tokens``) are only blocks computed under the same salt. ``echo`` with ``logprobs``
+asks for the prompt's logprobs (as vLLM: ``prompt_logprobs`` = ``logprobs``); ``max_tokens: 0``
+is allowed with ``echo`` (the prompt alone comes back).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from router.errors import APIError
 from services.engine.hashing import MAX_CACHE_SALT_CHARS
 
@@ -41,6 +43,11 @@ Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 
 
+def _is_token_id(key: str) -> bool:
+    """A logit_bias key: a token id in decimal (what the proto's int32 can carry)."""
+    return key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < 2**31
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -62,7 +69,12 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=MAX_LOGIT_BIAS)
+        ]
+        | None
+    ) = None
     # vLLM's extensions
     top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
     min_p: Probability | None = None
@@ -70,6 +82,7 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
@@ -83,8 +96,11 @@ class _SamplingFields(BaseModel):
         return value
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if not all(_is_token_id(key) for key in self.logit_bias or {}):
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM
+            msg = "prompt_logprobs are not available when stream is true"
+            raise APIError(400, msg, param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError(
                 400, "stream_options is only allowed when stream is true", param="stream_options"
@@ -94,8 +110,14 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """Top alternatives per prompt token to return; None: no prompt logprobs."""
+        return self.prompt_logprobs
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams (OpenAI's defaults where a field is absent)."""
+        """The engine's SamplingParams (OpenAI's defaults where a field is absent). With
+        ``max_tokens`` 0 (echo alone) one token is generated and left out of the answer."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         try:
             return SamplingParams(
@@ -108,12 +130,14 @@ class _SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0,
-                max_tokens=max_tokens,
+                max_tokens=max(max_tokens, 1),
                 stop=stop,
                 stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos,
                 logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                prompt_logprobs=self.num_prompt_logprobs,
             )
         except ValueError as exc:  # SamplingParams names the field first
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
@@ -128,7 +152,7 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16  # 0: only with echo
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
@@ -136,12 +160,18 @@ class CompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", "max_tokens")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: echo with logprobs returns the prompt's logprobs too."""
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((k for k in wanted if k is not None), default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""

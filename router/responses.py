@@ -2,6 +2,12 @@
 
 `ResponseBuilder` knows one API request's shape (completions or chat, n, logprobs) and turns
 chunks into either stream events (``data: {...}``) or, accumulated, the final response.
+
+Prompts (``expect_prompts``): with ``echo`` a completion's text and legacy logprobs start with
+the prompt's (the first prompt token has no logprob: ``null``, as OpenAI and vLLM answer), and
+``max_tokens: 0`` drops the one generated token; vLLM's ``prompt_logprobs`` come as its
+``prompt_logprobs`` list (per completion choice, top level for chat). A prompt's logprobs
+arrive once, on a chunk of the worker that computed it; the first to come is kept.
 """
 
 from __future__ import annotations
@@ -14,6 +20,16 @@ from router.worker_calls import Chunk
 from services.engine.tokenizer import Tokenizer
 
 Kind = Literal["completion", "chat"]
+Entry = list[tuple[int, float]]  # one token's (token, logprob) pairs, the token first
+
+
+@dataclass
+class Prompt:
+    """One prompt of the request, for echo and prompt logprobs."""
+
+    token_ids: list[int]
+    text: str  # what echo shows (the prompt as sent; token prompts decoded)
+    logprobs: list[Entry] | None = None  # filled from the chunk that brings them
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -82,9 +98,43 @@ class ResponseBuilder:
         self.choices = [Choice() for _ in range(num_choices)]
         self.usage = Usage()
         self._object = "text_completion" if kind == "completion" else "chat.completion"
+        self.prompts: list[Prompt] = []
+        self.echo = False
+        self.drop_output = False  # echo with max_tokens 0: the prompt alone
+        self.num_prompt_logprobs: int | None = None
+
+    def expect_prompts(
+        self,
+        prompts: list[Prompt],
+        echo: bool = False,
+        drop_output: bool = False,
+        num_prompt_logprobs: int | None = None,
+    ) -> None:
+        """The request's prompts (one per ``len(choices) / len(prompts)`` choices), what to
+        show of them (``echo``), whether to drop the generated token (``max_tokens`` 0) and
+        whether their logprobs were asked for."""
+        self.prompts = prompts
+        self.echo = echo
+        self.drop_output = drop_output
+        self.num_prompt_logprobs = num_prompt_logprobs
+
+    def _prompt_of(self, index: int) -> Prompt | None:
+        if not self.prompts:
+            return None
+        return self.prompts[index // (len(self.choices) // len(self.prompts))]
+
+    def _take(self, index: int, chunk: Chunk) -> Chunk:
+        """Keep the prompt's logprobs a chunk brings; what of the chunk is shown."""
+        prompt = self._prompt_of(index)
+        if prompt is not None and prompt.logprobs is None and chunk.prompt_logprobs:
+            prompt.logprobs = chunk.prompt_logprobs
+        if self.drop_output:
+            return Chunk(chunk.index, "", [], [], chunk.finish_reason)
+        return chunk
 
     def add(self, index: int, chunk: Chunk) -> None:
         """Accumulate a chunk (non-streaming responses and usage)."""
+        chunk = self._take(index, chunk)
         choice = self.choices[index]
         choice.text += chunk.text
         choice.num_tokens += len(chunk.token_ids)
@@ -99,6 +149,7 @@ class ResponseBuilder:
         """The SSE event for a chunk (None when it carries nothing a client would see)."""
         choice = self.choices[index]
         offset = len(choice.text)
+        chunk = self._take(index, chunk)
         self.add(index, chunk)
         if not (chunk.text or chunk.finish_reason or chunk.logprobs or not choice.started):
             return None
@@ -106,7 +157,17 @@ class ResponseBuilder:
         if self.with_logprobs and chunk.logprobs:
             logprobs = self._logprobs(chunk.logprobs, offset)
         if self.kind == "completion":
-            body = {"index": index, "text": chunk.text, "logprobs": logprobs}
+            prompt = self._prompt_of(index) if self.echo else None
+            if prompt is not None:  # echo: the prompt comes first, then the offsets move on
+                offset += len(prompt.text)
+                if self.with_logprobs and chunk.logprobs:
+                    logprobs = self._logprobs(chunk.logprobs, offset)
+            text = chunk.text
+            if prompt is not None and not choice.started:
+                text = prompt.text + text
+                if self.with_logprobs:
+                    logprobs = self._echo_logprobs(prompt, chunk.logprobs)
+            body = {"index": index, "text": text, "logprobs": logprobs}
             choice.started = True
             return sse(self._choice_event(body, chunk.finish_reason))
         # Chat streams as OpenAI's do: the role alone first, then content deltas, then an
@@ -143,14 +204,26 @@ class ResponseBuilder:
         choices = []
         for index, choice in enumerate(self.choices):
             body: dict[str, Any] = {"index": index}
+            prompt = self._prompt_of(index)
+            echoed = prompt if self.echo and self.kind == "completion" else None
             if self.kind == "completion":
-                body["text"] = choice.text
+                body["text"] = (echoed.text if echoed else "") + choice.text
             else:
                 body["message"] = {"role": "assistant", "content": choice.text}
-            body["logprobs"] = self._logprobs(choice.logprobs) if self.with_logprobs else None
+            body["logprobs"] = None
+            if self.with_logprobs:
+                body["logprobs"] = (
+                    self._echo_logprobs(echoed, choice.logprobs)
+                    if echoed
+                    else self._logprobs(choice.logprobs)
+                )
             body["finish_reason"] = choice.finish_reason
+            if self.kind == "completion" and prompt and self.num_prompt_logprobs is not None:
+                body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
             choices.append(body)
         payload = self._envelope(choices, streaming=False)
+        if self.kind == "chat" and self.prompts and self.num_prompt_logprobs is not None:
+            payload["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompts[0])
         payload["usage"] = self.usage.to_dict()
         return payload
 
@@ -193,6 +266,57 @@ class ResponseBuilder:
             "top_logprobs": [{self._token(t): lp for t, lp in self._top(e)} for e in entries],
             "text_offset": offsets,
         }
+
+    def _prompt_entries(self, prompt: Prompt) -> list[Entry]:
+        """Per prompt token: its (token, logprob) pairs; [] for the first (and for all when no
+        worker sent any: a one-token prompt has none)."""
+        entries = prompt.logprobs or []
+        return [entries[i] if i < len(entries) else [] for i in range(len(prompt.token_ids))]
+
+    def _echo_logprobs(self, prompt: Prompt, generated: list[Entry]) -> dict[str, Any]:
+        """OpenAI's legacy logprobs over the prompt and then the generated tokens: a prompt
+        token without a logprob (the first) has ``null`` for it and its top alternatives."""
+        tokens = [self._token(t) for t in prompt.token_ids]
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
+        for entry in self._prompt_entries(prompt):
+            token_logprobs.append(entry[0][1] if entry else None)
+            top.append({self._token(t): lp for t, lp in self._top(entry)} if entry else None)
+        offsets = []
+        offset = 0
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        rest = self._logprobs(generated, len(prompt.text))
+        return {
+            "tokens": tokens + rest["tokens"],
+            "token_logprobs": token_logprobs + rest["token_logprobs"],
+            "top_logprobs": top + rest["top_logprobs"],
+            "text_offset": offsets + rest["text_offset"],
+        }
+
+    def _vllm_prompt_logprobs(self, prompt: Prompt) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
+        rank (1: the most likely; None for the prompt's token when outside the top ones),
+        decoded_token}} with the token and its ``prompt_logprobs`` top alternatives."""
+        result: list[dict[str, Any] | None] = []
+        for entry in self._prompt_entries(prompt):
+            if not entry:
+                result.append(None)
+                continue
+            ranked = sorted(entry, key=lambda item: -item[1])[: self.num_prompt_logprobs]
+            ranks = {t: r for r, (t, _) in enumerate(ranked, start=1)}
+            result.append(
+                {
+                    str(t): {
+                        "logprob": lp,
+                        "rank": ranks.get(t),
+                        "decoded_token": self._token(t),
+                    }
+                    for t, lp in entry
+                }
+            )
+        return result
 
     def _chat_entry(self, entry: list[tuple[int, float]]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:

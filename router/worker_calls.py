@@ -149,7 +149,8 @@ def generate_request(
     handoff: Handoff | None = None,
 ) -> pb.GenerateRequest:
     """A Generate call's request: ``sub``'s prompt (with ``params`` instead of its own when
-    given), and the handle to pull with the first token once known."""
+    given), and the handle to pull with the first token once known. The prompt's logprobs
+    are asked of the worker that computes the prompt only: with a handle, the prefill worker."""
     request = pb.GenerateRequest(
         request_id=request_id,
         prompt_token_ids=sub.prompt_token_ids,
@@ -157,6 +158,7 @@ def generate_request(
         cache_salt=sub.cache_salt or "",
     )
     if handoff is not None:
+        request.sampling.ClearField("prompt_logprobs")
         request.kv.CopyFrom(handoff.kv)
         if handoff.answer is not None:
             request.first_token = handoff.answer.first_token

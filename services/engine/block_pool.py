@@ -93,12 +93,15 @@ class BlockPool:
         """Block ids holding the longest cached prefix of ``seq`` (no state changes).
 
         At least one token is always left to compute: the step that computes it yields the
-        logits the next token is sampled from.
+        logits the next token is sampled from. A sequence that wants its prompt's logprobs
+        takes no hit past those it already has: cached blocks keep KV, not logits.
         """
         if not self.enable_prefix_caching:
             return []
         self.update_hashes(seq)
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if seq.params.prompt_logprobs is not None:
+            max_blocks = min(max_blocks, len(seq.prompt_logprobs) // self.block_size)
         hits: list[int] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block_id = self._cached.get(block_hash)

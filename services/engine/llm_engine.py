@@ -29,6 +29,7 @@ from services.engine.model.source import resolve_model_dir
 from services.engine.model_runner import ModelRunner, attention_backend, kv_bytes_per_block
 from services.engine.output_processor import OutputProcessor, RequestState
 from services.engine.outputs import RequestOutput
+from services.engine.prompt_logprobs import record_prompt_logprobs
 from services.engine.request_builder import RequestBuilder
 from services.engine.sampler import Sampler, SampleResult
 from services.engine.scheduler import ScheduledBatch, Scheduler
@@ -207,6 +208,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         logits, seqs = self.runner.execute(batch)
+        record_prompt_logprobs(self.runner.prompt_hidden, self.model.compute_logits)
         self.scheduler.on_step_done(batch)
         rows = list(range(len(seqs)))
         for row, seq in enumerate(list(seqs)):

@@ -16,6 +16,8 @@ compiled decode attention of ``kernels.cpu_ops``, built once under ``<cache_dir>
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels import Backend, cpu_ops
@@ -41,6 +43,27 @@ def attention_backend(config: EngineConfig) -> str | Backend | None:
     if not config.cpu_kernels:
         return "reference"
     return cpu_ops.load(config.cache_path / "kernels", config.cpu_kernels_cc) or "reference"
+
+
+@dataclass
+class PromptHidden:
+    """The model's last hidden states at a run of a prompt's positions, for its prompt
+    logprobs: row i is position ``start + i``'s, whose logits predict prompt token
+    ``start + i + 1``. Hidden states, not logits: a chunk's logits (tokens x vocabulary) are
+    computed a slice at a time by whoever records them."""
+
+    seq: Sequence
+    start: int
+    hidden: torch.Tensor
+
+
+def prompt_positions(seq: Sequence, start: int, num: int) -> range:
+    """The positions of a chunk ``[start, start + num)`` of ``seq`` whose logits its prompt
+    logprobs still lack: they are recorded in order, so only from the first one missing (a
+    recompute after preemption records nothing twice; KV pulled from elsewhere, none)."""
+    if seq.params.prompt_logprobs is None or start > len(seq.prompt_logprobs):
+        return range(0)
+    return range(len(seq.prompt_logprobs), min(start + num, seq.num_prompt_tokens - 1))
 
 
 class ModelRunner:
@@ -76,6 +99,7 @@ class ModelRunner:
             (self.kv_cache[:, layer, 0].transpose(1, 2), self.kv_cache[:, layer, 1].transpose(1, 2))
             for layer in range(cfg.num_layers)
         ]
+        self.prompt_hidden: list[PromptHidden] = []  # the last execute()'s, for prompt logprobs
 
     def copy_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write: all before this step writes any KV."""
@@ -108,9 +132,13 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, range, int]] = []  # seq, positions, first row
         bs = self.block_size
         for seq, num in ordered:
             start = seq.num_computed_tokens
+            wanted = prompt_positions(seq, start, num)
+            if wanted:
+                prompt_rows.append((seq, wanted, len(input_ids) + wanted.start - start))
             input_ids += seq.token_ids[start : start + num]
             span = range(start, start + num)
             positions += span
@@ -127,6 +155,10 @@ class ModelRunner:
             self.layer_caches,
             meta,
         )
+        self.prompt_hidden = [
+            PromptHidden(seq, wanted.start, hidden[row : row + len(wanted)])
+            for seq, wanted, row in prompt_rows
+        ]
         if not sample_rows:
             return hidden.new_empty(0, self.model.config.vocab_size), []
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=dev)])

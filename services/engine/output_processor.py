@@ -45,6 +45,7 @@ class RequestState:
     cache_salt: str | None = None  # its prefix-cache tenant (services.engine.hashing)
     seqs: list[Sequence] = field(default_factory=list)
     texts: dict[int, _SeqText] = field(default_factory=dict)  # by seq_id
+    prompt_logprobs_sent: bool = False  # handed out in an output already
 
     @property
     def finished(self) -> bool:
@@ -107,7 +108,18 @@ class OutputProcessor:
             finished=request.finished or kv_block_ids is not None,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             kv_block_ids=kv_block_ids,
+            prompt_logprobs=self._prompt_logprobs(request),
         )
+
+    def _prompt_logprobs(self, request: RequestState) -> list[dict[int, float] | None] | None:
+        """The prompt's logprobs once all are computed (None before, and after one output had
+        them; also when they came from elsewhere: a pulled prompt's are the prefill worker's)."""
+        seq = request.seqs[0]
+        wanted = request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent
+        if not wanted or len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+            return None
+        request.prompt_logprobs_sent = True
+        return [None, *seq.prompt_logprobs]
 
     def _delta(self, request: RequestState, seq: Sequence) -> CompletionOutput:
         state = request.texts[seq.seq_id]

@@ -46,6 +46,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # Prefill-only requests: the blocks holding the prompt's KV, pinned until released.
     kv_block_ids: list[int] | None = None
+    # params.prompt_logprobs set: per prompt token, None for the first, then that token's logprob
+    # and the top alternatives; in the first output after the prompt is computed, then None.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Fold ``later`` (the request's next delta) into this output."""
@@ -59,3 +62,4 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.kv_block_ids = later.kv_block_ids or self.kv_block_ids
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs

@@ -54,6 +54,8 @@ class RequestBuilder:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(token_ids)
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias keys must be token ids in [0, {self.vocab_size})")
         return RequestState(request_id, text, token_ids, params, cache_salt)
 
     def check_prompt(self, token_ids: list[int]) -> None:

@@ -8,7 +8,8 @@ does not depend on what else is in the batch. That noise is counter-based: the g
 re-seeded for every draw with ``draw_seed(seed, index, position)`` (the request's seed, the
 sequence's index, its number of output tokens so far), so it does not depend on the draws before
 either: a prompt computed locally, pulled or recomputed after a failed pull, and a preempted
-sequence, all give the same tokens. Unseeded rows share the sampler's generator.
+sequence, all give the same tokens. Unseeded rows share the sampler's generator. A request's
+``logit_bias`` is added to its raw logits before the penalties (logprobs stay unbiased).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class Sampler:
             if any(p.logprobs is not None for p in params)
             else None
         )
+        if any(p.logit_bias for p in params):
+            logits = apply_logit_bias(logits, params)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
         greedy = torch.tensor([p.is_greedy for p in params])
@@ -78,6 +81,17 @@ class Sampler:
         for i, seq in enumerate(seqs):
             noise[i].exponential_(generator=self._generator_of(seq))
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (a new tensor)."""
+    logits = logits.clone()
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), device=logits.device)
+            bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+            logits[i, ids] += bias.to(logits.device)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -58,6 +58,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs set: entry i for prompt token i + 1 (its logprob first, then the top
+    # alternatives), filled as the prompt's chunks are computed; a recompute skips what is here.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     # Disaggregation: a prefill-only sequence is pinned after its first token; a pulled one is
     # admitted for its prompt's KV (``num_remote_kv_tokens``) instead of computing it.
     pin_blocks: bool = False
@@ -129,6 +132,7 @@ class Sequence:
             cache_salt=self.cache_salt,
             status=self.status,
             logprobs=list(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,
             first_scheduled_time=self.first_scheduled_time,
         )
         return child

@@ -269,6 +269,8 @@ def _response(final: RequestOutput, seq: Sequence) -> pb.PrefillResponse:
     )
     if out.logprobs:
         response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
+    for entry in (final.prompt_logprobs or [None])[1:]:
+        response.prompt_logprobs.append(logprobs_to_proto(entry))
     return response
 
 

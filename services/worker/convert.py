@@ -15,11 +15,13 @@ def chunks_from_output(
     output: RequestOutput, kv_source: str, first: bool
 ) -> Iterator[pb.GenerateChunk]:
     """One chunk per sequence that has something new (tokens, text or its finish); ``output``
-    is a delta, so each chunk carries exactly its tokens and their logprobs."""
+    is a delta, so each chunk carries exactly its tokens and their logprobs; the prompt's
+    logprobs, when the output has them, go with the first chunk."""
+    prompt_logprobs = [logprobs_to_proto(e) for e in (output.prompt_logprobs or [None])[1:]]
     for o in output.outputs:
-        if not (o.token_ids or o.text or o.finish_reason or first):
+        if not (o.token_ids or o.text or o.finish_reason or first or prompt_logprobs):
             continue
-        yield pb.GenerateChunk(
+        chunk = pb.GenerateChunk(
             index=o.index,
             token_ids=o.token_ids,
             text=o.text,
@@ -29,7 +31,10 @@ def chunks_from_output(
             num_prompt_tokens=len(output.prompt_token_ids),
             num_cached_tokens=output.num_cached_tokens,
             kv_source=kv_source,
+            prompt_logprobs=prompt_logprobs,
         )
+        prompt_logprobs = []
+        yield chunk
 
 
 def layout_to_proto(layout: KVLayout) -> pb.KVLayout:
