@@ -18,10 +18,10 @@ in medians (``--permutations`` shuffles of the pooled samples; scipy is not a de
 above 0.05 means "equal within noise"; the same test on own hit vs fresh shows what a leak looks
 like. Also the ``kv_source`` each condition got (the router's decision must not differ either).
 
-    python benchmarks/cache_salt_ttft.py [--trials 30] [--prompt-tokens 1024]
+    python benchmarks/cache_salt_ttft.py [--trials 30] [--prompt-tokens 512]
 
 Prints the command, the machine and the figures; writes cache_salt_ttft.json to --out-dir
-(default benchmarks/results/). About 3 minutes with the defaults.
+(default benchmarks/results/). About 3 minutes with the defaults on an idle machine.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def summarize(args: argparse.Namespace, out: dict[str, list[Sample]]) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=30)
-    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--permutations", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
