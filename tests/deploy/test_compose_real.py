@@ -12,11 +12,14 @@ One Compose project for the module, tests in order:
 3. a prefill container killed (SIGKILL from the host, like the OOM killer) while requests flow:
    none fails (the decode worker retries on the other prefill), the registry drops the dead
    worker, and Compose's restart policy brings the container back;
-4. ``down -v`` leaves no container, network or volume of the project behind.
+4. a rolling restart of each worker pool (every container in turn, SIGTERM and drain) while
+   requests flow: none fails;
+5. ``down -v`` leaves no container, network or volume of the project behind.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -307,6 +310,38 @@ def test_a_killed_worker_container_loses_no_request_and_comes_back(
     assert traffic.errors == [], traffic.errors[:5]
     assert traffic.ok > 0
     assert len({w["id"] for w in stack.healthy("prefill")} - before) == 1  # a new registration
+
+
+def test_a_rolling_restart_of_each_worker_pool_loses_no_request(
+    stack: Stack, client: OpenAI, model: str
+) -> None:
+    """Each prefill and decode container in turn, while requests flow: `docker restart` stops it
+    with SIGTERM (it drains: in-flight requests end, its KV handles are pulled, it deregisters),
+    then starts it again; the other container of its pool serves meanwhile. None fails. (The
+    router cannot be rolled this way: one published port; docs/reliability.md.)"""
+    took: dict[str, float] = {}
+    with Traffic(client, model) as traffic:
+        for service in ("prefill", "decode"):
+            for container in stack.containers(service):
+                before = {w["id"] for w in stack.healthy(service)}
+                assert len(before) == 2, (service, before)
+                started = time.monotonic()
+                run("docker", "restart", "-t", "45", container, timeout=120)
+                wait_for(
+                    f"the restarted {service} container to register",
+                    functools.partial(replaced_one, stack, service, before),
+                    timeout=240,
+                )
+                took[container[:12]] = time.monotonic() - started
+    print(f"rolled {took} (seconds each); {traffic.ok} requests meanwhile")
+    assert traffic.errors == [], traffic.errors[:5]
+    assert traffic.ok > 0
+
+
+def replaced_one(stack: Stack, service: str, before: set[str]) -> bool:
+    """Two healthy workers of ``service`` again, one of them new."""
+    now = {w["id"] for w in stack.healthy(service)}
+    return len(now) == 2 and now != before
 
 
 def test_down_leaves_nothing_behind(stack: Stack) -> None:
