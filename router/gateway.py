@@ -30,6 +30,7 @@ from services.registry import RegistryConfig, RegistryView, WorkerRecord, tokeni
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MODEL_LEN = 2048
 CHANNEL_PRUNE_SECONDS = 30.0
+CHUNKS_PER_PROMPT = 4  # chunks of a multi-prompt request waiting for its reader, per prompt
 
 
 @dataclass(frozen=True)
@@ -208,16 +209,22 @@ class Gateway:
                 async for chunk in stream:
                     yield chunk.index, chunk
             return
-        queue: asyncio.Queue[tuple[int, Chunk] | BaseException | None] = asyncio.Queue()
+        # Bounded: a client that reads slowly holds its streams back (the workers merge what it
+        # has not read into one output) instead of piling chunks up here.
+        queue: asyncio.Queue[tuple[int, Chunk] | BaseException | None] = asyncio.Queue(
+            maxsize=CHUNKS_PER_PROMPT * len(subs)
+        )
 
         async def pump(i: int, sub: SubRequest) -> None:
             try:
                 async with aclosing(self.orchestrator.generate(sub)) as stream:
                     async for chunk in stream:
-                        queue.put_nowait((i * n + chunk.index, chunk))
-                queue.put_nowait(None)
+                        await queue.put((i * n + chunk.index, chunk))
+                await queue.put(None)
+            except asyncio.CancelledError:
+                raise  # the consumer left: nobody reads the queue any more
             except BaseException as exc:  # noqa: BLE001 (handed to the consumer)
-                queue.put_nowait(exc)
+                await queue.put(exc)
 
         tasks = [asyncio.create_task(pump(i, sub)) for i, sub in enumerate(subs)]
         try:
