@@ -211,11 +211,11 @@ def add_settings(
             if var is not None and var in env:
                 default, required = _from_env(var, env[var], kind, spec, flag), False
                 break
-        shown = "required" if required else f"default: {_shown(default, spec)}"
-        help_text = f"{spec.help} ({shown}; env {names})"
         if _base_type(kind) is bool:
-            _add_bool(parser, path, flag, bool(default), help_text)
+            _add_bool(parser, path, flag, bool(default), spec.help, names)
             continue
+        text, shown = _help_and_default(spec, default, required)
+        help_text = f"{text} ({shown}; env {names})"
         item = _item_type(kind)
         metavar = spec.metavar or flag.lstrip("-").replace("-", "_").upper()
         if spec.choices is not None and spec.metavar is None:
@@ -377,20 +377,57 @@ def _add_bool(
     path: str,
     flag: str,
     default: bool,
-    help_text: str,
+    text: str,
+    names: str,
 ) -> None:
-    if flag.startswith("--no-"):  # a negative switch of a setting that is on by default
-        parser.add_argument(
-            flag, dest=path, action="store_const", const=False, default=default, help=help_text
-        )
-    else:
-        parser.add_argument(
-            flag,
-            dest=path,
-            action=argparse.BooleanOptionalAction,
-            default=default,
-            help=help_text,
-        )
+    """``--x`` and ``--no-x``, whichever the setting declares (``flag="--no-x"``: a setting on
+    by default, whose variable is PDSERVE_NO_X); the help says what on means."""
+    positive = "--" + flag.removeprefix("--").removeprefix("no-")
+    env = f"{names}=1 turns it off" if flag.startswith("--no-") else names
+    parser.add_argument(
+        positive,
+        "--no-" + positive[2:],
+        dest=path,
+        action=_Switch,
+        default=default,
+        help=f"{text} (default: {'on' if default else 'off'}; env {env})",
+    )
+
+
+class _Switch(argparse.Action):
+    """A boolean flag and its ``--no-`` form (as argparse's BooleanOptionalAction, whose help
+    would add a second default)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+def _help_and_default(spec: Setting, default: Any, required: bool) -> tuple[str, str]:
+    """The help text and its "default: ..." part, one default per flag: a help that says what
+    no value means ("(none: X)") or what the default is ("(default: X)", a computed one) gives
+    its words to the default."""
+    if required:
+        return spec.help, "required"
+    shown = _shown(default, spec)
+    said = re.search(r"\s*\((none|default): ([^()]*)\)", spec.help)
+    if said is None or (said.group(1) == "none" and default is not None):
+        return spec.help, f"default: {shown}"
+    text = spec.help[: said.start()] + spec.help[said.end() :]
+    if said.group(1) == "none":
+        return text, f"default: {said.group(2)}"
+    return text, f"default: {said.group(2)} ({shown} here)"
 
 
 def _from_env(name: str, text: str, kind: Any, spec: Setting, flag: str) -> Any:

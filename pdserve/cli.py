@@ -35,6 +35,12 @@ DEMO_PROMPTS = [
     "def fibonacci(n):",
     "Three reasons to split prefill from decode:",
 ]
+DESCRIPTION = (
+    "Serve a language model with prefill and decode on separate workers, behind an "
+    "OpenAI-compatible router. Every flag also reads an environment variable (--max-num-seqs "
+    "reads PDSERVE_MAX_NUM_SEQS); a flag on the command line wins. `pdserve COMMAND --help` "
+    "shows a command's flags, their defaults and variables."
+)
 PRESETS = ("chatbot", "summarization", "mixed", "codegen")  # loadtest.datasets' and "mixed"
 
 
@@ -288,7 +294,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def make_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     """The whole command line; ``env`` gives the flags' defaults (``PDSERVE_*``)."""
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdserve", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"pdserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 

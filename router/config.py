@@ -13,6 +13,7 @@ from router.disaggregation import DISAGGREGATION_POLICIES
 from services.engine.config import EngineConfig
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
+LOG_FORMATS = ("text", "json")
 LIMITS = (
     "max_body_bytes",
     "max_body_depth",
@@ -47,7 +48,7 @@ class RouterConfig:
     api_keys_file: str | None = setting(
         None,
         "a JSON file of API keys, each with a name, a weight (its share of the router) and a "
-        "cache salt (router.clients); with --api-key too, both are accepted",
+        "cache salt (see docs/reliability.md); with --api-key too, both are accepted",
         metavar="PATH",
     )
     cluster_token: str | None = same_setting(ClusterSettings, "cluster_token")
@@ -153,8 +154,11 @@ class RouterConfig:
     retry_after_seconds: int = setting(1, "Retry-After of 429 and 503 answers")
     trace_file: str | None = same_setting(TracingSettings, "trace_file")
     otlp_endpoint: str | None = same_setting(TracingSettings, "otlp_endpoint")
-    log_requests: bool = setting(
-        False, "log each prompt's text (off by default: prompts may be private)"
+    log_requests: bool = setting(False, "log each prompt's text (prompts may be private)")
+    log_format: str = setting(
+        "text",
+        "the access log's lines, one per request: text (for people) or json (for log pipelines)",
+        choices=LOG_FORMATS,
     )
     # Latency SLOs the router judges each request against (None: off): its time to first token,
     # and its mean time between the tokens after the first (TPOT, as pdserve-loadtest's goodput).

@@ -85,7 +85,9 @@ class CacheConfig:
         metavar="SIZE",
     )
     enable_prefix_caching: bool = setting(
-        True, "turn the prefix cache off", flag="--no-prefix-caching"
+        True,
+        "keep computed prompt blocks for later prompts that share them (the prefix cache)",
+        flag="--no-prefix-caching",
     )
     num_swap_blocks: int = setting(0, "host-memory blocks for swap preemption (0: no swapping)")
     # Keep the KV pool in this file (under /dev/shm) so same-host peers can map it (shm transport).
@@ -105,7 +107,9 @@ class SchedulerConfig:
     max_num_seqs: int = setting(64, "sequences in the running batch, at most")
     max_num_batched_tokens: int = setting(2048, "tokens computed per step, at most")
     enable_chunked_prefill: bool = setting(
-        True, "compute each prompt in one step (no chunks)", flag="--no-chunked-prefill"
+        True,
+        "compute a long prompt in chunks over several steps (off: each prompt in one step)",
+        flag="--no-chunked-prefill",
     )
     preemption_mode: str = setting(
         "recompute",

@@ -82,7 +82,7 @@ class WorkerConfig:
         choices=("recompute", "fail"),
     )
     verify_checksums: bool = setting(
-        True, "decode: skip verifying pulled KV blocks", flag="--no-verify-checksums"
+        True, "decode: verify the checksums of pulled KV blocks", flag="--no-verify-checksums"
     )
     max_pending_requests: int = setting(
         256, "requests admitted but not finished, at most; more are refused (UNAVAILABLE)"
