@@ -20,11 +20,12 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import tracing
+from router.access_log import AccessEntry, AccessLogMiddleware, entry_of
 from router.admission import Admission, Ticket
 from router.clients import Client
 from router.edge import PARSED, EdgeMiddleware, TraceMiddleware
 from router.errors import APIError, install_error_handlers
-from router.gateway import Gateway, new_request_id, now_unix
+from router.gateway import Gateway, now_unix
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import DONE, Prompt, ResponseBuilder
 from router.worker_calls import Chunk, SubRequest
@@ -55,6 +56,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         keys=gateway.keys,
         ops_token=gateway.config.cluster_token if gateway.config.ops_need_token else None,
     )
+    app.add_middleware(AccessLogMiddleware, log_format=gateway.config.log_format)  # sees all
     if tracing.is_enabled():  # added last: outermost, so 401/413 answers carry the trace id
         app.add_middleware(TraceMiddleware)
 
@@ -76,7 +78,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             return body.sampling_params(max_tokens, body.logprobs)
 
         salt = _salt(client, body.cache_salt)
-        subs = gateway.sub_requests(new_request_id("cmpl"), list(prompts), params, salt)
+        rid = entry_of(request.scope).worker_request_id("cmpl")
+        subs = gateway.sub_requests(rid, list(prompts), params, salt)
         _check_tokens(admission, subs, "max_tokens")
         builder = _builder(gateway, "completion", subs, body.n, body.logprobs, body)
         admit = _Admit(admission, client, deadline)
@@ -98,7 +101,8 @@ def create_app(gateway: Gateway) -> FastAPI:
             return body.sampling_params(max_tokens, body.num_logprobs)
 
         salt = _salt(client, body.cache_salt)
-        subs = gateway.sub_requests(new_request_id("chatcmpl"), [prompt], params, salt)
+        rid = entry_of(request.scope).worker_request_id("chatcmpl")
+        subs = gateway.sub_requests(rid, [prompt], params, salt)
         _check_tokens(admission, subs, param)
         builder = _builder(gateway, "chat", subs, body.n, body.num_logprobs, body)
         admit = _Admit(admission, client, deadline)
@@ -240,8 +244,10 @@ async def _respond(
             }
         )
     slots = len(subs) * subs[0].params.n  # every sub-request takes one
+    entry = entry_of(request.scope)  # the access log's line: filled in as the request goes
+    entry.model, entry.subs = gateway.model.name, subs
     if not stream:
-        clock = _Clock(gateway, arrival, span)
+        clock = _Clock(gateway, arrival, span, entry)
         try:
             done = await _until_done_or_disconnected(
                 request, _collect(gateway, subs, builder, clock, admit, slots)
@@ -251,7 +257,7 @@ async def _respond(
         if not done:  # nobody is listening; the status only shows in metrics and logs
             return Response(status_code=499)
         return JSONResponse(builder.response())
-    events = _events(gateway, subs, builder, _Clock(gateway, arrival, span), admit, slots)
+    events = _events(gateway, subs, builder, _Clock(gateway, arrival, span, entry), admit, slots)
     try:  # errors before the first event get their HTTP status; a client gone cancels it
         first = await _first_event_or_disconnected(request, events)
     except BaseException:
@@ -401,10 +407,11 @@ class _Clock:
     and the request judged against the latency SLOs that are set: TTFT at its first token, its
     mean time between the tokens after the first (TPOT, all choices together) when it ends."""
 
-    def __init__(self, gateway: Gateway, arrival: float, span: trace.Span):
+    def __init__(self, gateway: Gateway, arrival: float, span: trace.Span, entry: AccessEntry):
         self.metrics = gateway.metrics
         self.arrival = arrival
         self.span = span  # the request's root span (a no-op one when tracing is off)
+        self.entry = entry
         self.first: float | None = None
         self.last: float | None = None
         self.num_tokens = 0
@@ -434,6 +441,9 @@ class _Clock:
             self.metrics.judge("itl", (self.last - self.first) / (self.num_tokens - 1))
         self.metrics.prompt_tokens.inc(builder.usage.prompt_tokens)
         self.metrics.generation_tokens.inc(builder.usage.completion_tokens)
+        self.entry.prompt_tokens = builder.usage.prompt_tokens
+        self.entry.output_tokens = builder.usage.completion_tokens
+        self.entry.first_token = self.first
         if self.span.is_recording():
             reasons = [c.finish_reason or "none" for c in builder.choices]
             self.span.set_attributes(

@@ -67,8 +67,10 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first pydantic error, naming the field (``messages.0.role``) and what is wrong."""
+def validation_error(exc: RequestValidationError, content_type: str | None = None) -> APIError:
+    """The first pydantic error, naming the field (``messages.0.role``) and what is wrong; a body
+    that is not JSON names why: its Content-Type (``content_type``: the request's header), or
+    where the JSON goes wrong."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
@@ -79,13 +81,47 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(loc) or None
     message = str(first.get("msg", "invalid value"))
     if first.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {message}")
+        return _json_invalid(first, exc.body)
     if first.get("type") == "missing":
         if not param:
             return APIError(400, "the request body must be a JSON object")
         return APIError(400, f"'{param}' is a required field", param=param)
+    if first.get("type") in _NOT_AN_OBJECT and param is None:
+        if not _is_json(content_type):  # FastAPI left the body unparsed
+            said = f"Content-Type {content_type[:100]!r}" if content_type else "no Content-Type"
+            return APIError(
+                400,
+                "the request body must be JSON sent with 'Content-Type: application/json' "
+                f"(this request has {said})",
+            )
+        return APIError(400, "the request body must be a JSON object")
     prefix = f"'{param}': " if param else ""
     return APIError(400, prefix + message, param=param)
+
+
+_NOT_AN_OBJECT = ("model_attributes_type", "dict_type")
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's test: application/json or application/*+json, parameters aside."""
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
+
+
+def _json_invalid(error: dict[str, Any], doc: Any) -> APIError:
+    """Invalid JSON, with the parser's reason and where: line and column (1-based)."""
+    reason = str(error.get("ctx", {}).get("error", "JSON decode error"))
+    loc = error.get("loc", ())
+    pos = loc[-1] if loc and isinstance(loc[-1], int) else None
+    if pos is None or not isinstance(doc, str):
+        return APIError(400, f"request body is not valid JSON: {reason}")
+    line = doc.count("\n", 0, pos) + 1
+    column = pos - (doc.rfind("\n", 0, pos) + 1) + 1
+    return APIError(
+        400, f"request body is not valid JSON: {reason} at line {line}, column {column}"
+    )
 
 
 def _is_type_tag(part: str) -> bool:
@@ -104,7 +140,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -151,13 +151,28 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 self.metrics.requests.labels(outcome="invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             self.num_active += 1
+            start, tokens, outcome = time.perf_counter(), 0, "failed"
             try:
                 async for chunk in self._generate(request, params, context, timeline):
+                    tokens += len(chunk.token_ids)
                     yield chunk
+                outcome = "done"
+            except (asyncio.CancelledError, GeneratorExit):
+                outcome = "cancelled"
+                raise
             finally:
                 self.num_active -= 1
                 if span.is_recording():
                     _trace_decode(timeline)
+                log.info(  # one line per request, by the id in the router's access log
+                    "request %s %s: %s KV, %d prompt + %d output tokens, %.0f ms",
+                    request.request_id,
+                    outcome,
+                    timeline.kv_source,
+                    len(request.prompt_token_ids),
+                    tokens,
+                    (time.perf_counter() - start) * 1e3,
+                )
 
     async def _generate(
         self,

@@ -19,10 +19,11 @@ token), built after the fact from the engine sequence's timestamps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -81,7 +82,8 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             params = await self._admit(request, context)
             self.num_active += 1
             try:
-                return await self._prefill(request, params, context, span)
+                with _logged(request):
+                    return await self._prefill(request, params, context, span)
             finally:
                 self.num_active -= 1
 
@@ -93,8 +95,9 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             params = await self._admit(request, context)
             self.num_active += 1
             try:
-                async for event in self._prefill_streamed(request, params, context, span):
-                    yield event
+                with _logged(request):
+                    async for event in self._prefill_streamed(request, params, context, span):
+                        yield event
             finally:
                 self.num_active -= 1
 
@@ -246,6 +249,27 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
 
 
 _LEASE_ENDED = "the lease ended (expired or released) before the prefill finished"
+
+
+@contextlib.contextmanager
+def _logged(request: pb.PrefillRequest) -> Iterator[None]:
+    """One line per request when it ends, by the id in the router's access log."""
+    start, outcome = time.perf_counter(), "failed"
+    try:
+        yield
+        outcome = "done"
+    except (asyncio.CancelledError, GeneratorExit):
+        outcome = "cancelled"
+        raise
+    finally:
+        ms = (time.perf_counter() - start) * 1e3
+        log.info(
+            "request %s %s: %d prompt tokens, %.0f ms",
+            request.request_id,
+            outcome,
+            len(request.token_ids),
+            ms,
+        )
 
 
 def _span(request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> Span:
