@@ -6,6 +6,7 @@ the routing; `ResponseBuilder` does the formatting. With tracing on, each API re
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 import time
@@ -181,7 +182,10 @@ def _salt(client: Client, requested: str | None) -> str | None:
     """The request's cache salt: its own, within its API key's (no key can reach another's)."""
     if client.cache_salt is None:
         return requested
-    return client.cache_salt if requested is None else f"{client.cache_salt}:{requested}"
+    if requested is None:
+        return client.cache_salt
+    # hashed: within the salt's length limit, and no two (key, salt) pairs give the same salt
+    return hashlib.sha256(f"{client.cache_salt}\0{requested}".encode()).hexdigest()
 
 
 def _check_tokens(admission: Admission, subs: list[SubRequest], param: str) -> None:

@@ -8,7 +8,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
@@ -250,10 +249,6 @@ def longest_token_bytes(tokenizer: Tokenizer) -> int:
     tokenizers, the common kind, have none)."""
     ids = range(tokenizer.vocab_size)
     return max(len(tokenizer.decode([i], skip_special_tokens=False).encode()) for i in ids)
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def now_unix() -> int:
