@@ -65,6 +65,7 @@ class SamplingParams:
     # The prompt tokens' log-probabilities (from the second token on) with this many top
     # alternatives each (vLLM's prompt_logprobs); None: not computed.
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends a sequence before
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +101,8 @@ class SamplingParams:
             raise bad("max_tokens", "must be an integer >= 1")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be an integer in [0, max_tokens]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise bad("prompt_logprobs", "must be in [0, 20]")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

@@ -48,6 +48,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         skip_special_tokens=p.skip_special_tokens,
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        min_tokens=p.min_tokens,
     )
 
 
@@ -67,6 +68,7 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         ignore_eos=s.ignore_eos,
         skip_special_tokens=s.skip_special_tokens,
         logit_bias=s.logit_bias,
+        min_tokens=s.min_tokens,
     )
     if s.prompt_logprobs is not None:
         msg.prompt_logprobs = s.prompt_logprobs

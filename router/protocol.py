@@ -83,6 +83,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
@@ -138,6 +139,7 @@ class _SamplingFields(BaseModel):
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                 prompt_logprobs=self.num_prompt_logprobs,
+                min_tokens=self.min_tokens,
             )
         except ValueError as exc:  # SamplingParams names the field first
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
@@ -222,9 +224,14 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    # Output kinds a text model cannot produce: refused when asked for (the check below).
+    audio: Any = None
+    modalities: list[str] | None = None
+    web_search_options: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        self._check_text_only()
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
         kind = (self.response_format or {}).get("type", "text")
@@ -232,6 +239,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, f"response_format {kind!r} is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+
+    def _check_text_only(self) -> None:
+        if self.audio is not None or any(m != "text" for m in self.modalities or []):
+            param = "audio" if self.audio is not None else "modalities"
+            raise APIError(400, "only text output is supported", param=param)
+        if self.web_search_options is not None:
+            msg = "web search is not supported"
+            raise APIError(400, msg, param="web_search_options")
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template expects them (developer is the newer system)."""

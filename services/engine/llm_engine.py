@@ -81,6 +81,7 @@ class LLMEngine:
             attention=backend,
         )
         self.sampler = Sampler(config.seed)
+        self.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # min_tokens
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         vocab = mcfg.vocab_size
         self.builder = RequestBuilder(

@@ -76,6 +76,8 @@ class OutputProcessor:
         state = request.texts[seq.seq_id]
         text = state.held + state.detokenizer.add(seq.token_ids[-1])
         stops = request.params.stop
+        if seq.num_output_tokens < request.params.min_tokens:  # vLLM's min_tokens: nothing stops
+            stops = []
         if stops and len(text) > len(state.held):
             match = find_stop_string(text, len(text) - len(state.held), stops)
             if match is not None:

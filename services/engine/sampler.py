@@ -9,7 +9,9 @@ re-seeded for every draw with ``draw_seed(seed, index, position)`` (the request'
 sequence's index, its number of output tokens so far), so it does not depend on the draws before
 either: a prompt computed locally, pulled or recomputed after a failed pull, and a preempted
 sequence, all give the same tokens. Unseeded rows share the sampler's generator. A request's
-``logit_bias`` is added to its raw logits before the penalties (logprobs stay unbiased).
+``logit_bias`` is added to its raw logits before the penalties (logprobs stay unbiased), and
+while a sequence has fewer than ``min_tokens`` output tokens its EOS and stop token ids are
+masked out.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class SampleResult:
 
 class Sampler:
     """Samples one token per row of ``logits`` for the matching sequence."""
+
+    eos_token_ids: frozenset[int] = frozenset()  # the engine sets the model's (min_tokens)
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
@@ -55,6 +59,8 @@ class Sampler:
         )
         if any(p.logit_bias for p in params):
             logits = apply_logit_bias(logits, params)
+        if any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+            logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
         greedy = torch.tensor([p.is_greedy for p in params])
@@ -91,6 +97,19 @@ def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
             ids = torch.tensor(list(p.logit_bias), device=logits.device)
             bias = torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
             logits[i, ids] += bias.to(logits.device)
+    return logits
+
+
+def apply_min_tokens(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]
+) -> torch.Tensor:
+    """vLLM's min_tokens: a sequence short of them cannot draw EOS or a stop token id."""
+    logits = logits.clone()
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            logits[i, sorted(banned)] = float("-inf")
     return logits
 
 

@@ -190,6 +190,33 @@ def test_prompt_logprobs_extra_on_chat(routers, hf, route: str) -> None:  # type
         assert [rank for _, rank in ranked] == [2, 1]  # the two most likely, ranked
 
 
+def test_echo_with_several_prompts_and_n(routers, hf) -> None:  # type: ignore[no-untyped-def]
+    """Each choice echoes its own prompt (choice i * n + k is prompt i's k-th sequence); with
+    n > 1 on the pulled route the decode worker computes the last prompt token again, and the
+    prompt logprobs still come from the prefill worker, once."""
+    prompts = [prompt_ids(hf, "n a")[:12], prompt_ids(hf, "n b")[:18]]
+    response = (
+        routers["pulled"]
+        .client()
+        .completions.create(
+            model=MODEL,
+            prompt=prompts,
+            n=2,
+            echo=True,
+            logprobs=0,
+            max_tokens=2,
+            temperature=1,
+            seed=7,
+        )
+    )
+    assert len(response.choices) == 4
+    for choice in response.choices:
+        ids = prompts[choice.index // 2]
+        assert choice.text.startswith(hf[0].decode(ids))
+        assert len(choice.logprobs.tokens) == len(ids) + 2
+        assert_close(choice.logprobs.token_logprobs[: len(ids)], hf_logprobs(hf, ids))
+
+
 def test_streamed_echo_starts_with_the_prompt(routers, hf) -> None:  # type: ignore[no-untyped-def]
     ids = prompt_ids(hf, "stream")[:20]
     stream = (
@@ -241,6 +268,27 @@ def test_logit_bias_on_every_sampled_token(routers, hf, route: str) -> None:  # 
     assert not set(greedy[:2]) & set(banned.choices[0].logprobs.tokens)
 
 
+@pytest.mark.parametrize("route", ["pulled", "colocated"])
+def test_min_tokens_holds_off_eos(routers, hf, route: str) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's min_tokens: EOS (here pushed by +100) cannot come before that many tokens, on
+    the prefill worker's first token as on the decode worker's."""
+    client = routers[route].client()
+    eos = {str(hf[0].eos_token_id): 100}
+    at_once = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=8, temperature=0, logit_bias=eos
+    )
+    assert at_once.choices[0].finish_reason == "stop" and at_once.usage.completion_tokens == 1
+    held = client.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=8,
+        temperature=0,
+        logit_bias=eos,
+        extra_body={"min_tokens": 3},
+    )
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -251,12 +299,34 @@ def test_logit_bias_on_every_sampled_token(routers, hf, route: str) -> None:  # 
         ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"prompt_logprobs": 21}, "prompt_logprobs"),
         ({"suffix": "!"}, "suffix"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ],
 )
 def test_refused_with_the_field_named(routers, body, param: str) -> None:  # type: ignore[no-untyped-def]
     response = httpx.post(
         routers["pulled"].url + "/v1/completions",
         json={"model": MODEL, "prompt": "Hi", **body},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"audio": {"voice": "alloy", "format": "mp3"}}, "audio"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"web_search_options": {}}, "web_search_options"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+        ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ],
+)
+def test_chat_refusals_name_the_field(routers, body, param: str) -> None:  # type: ignore[no-untyped-def]
+    messages = [{"role": "user", "content": "Hi"}]
+    response = httpx.post(
+        routers["pulled"].url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, **body},
         timeout=30,
     )
     assert response.status_code == 400, response.text

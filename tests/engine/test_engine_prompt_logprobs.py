@@ -1,0 +1,52 @@
+"""Prompt logprobs in the engine: computed in slices and chunks alike, once per request (n > 1
+forks share them), handed out in the first output only, and a request that asks for them
+takes no prefix-cache hit it has no logits for (transformers parity: the gateway tests)."""
+
+from __future__ import annotations
+
+import pytest
+
+import services.engine.prompt_logprobs as prompt_logprobs
+from pdserve import SamplingParams
+
+PROMPT = "Paged attention stores the KV cache in fixed-size blocks so that memory is not wasted"
+
+
+def scored(llm, **kwargs):  # type: ignore[no-untyped-def]
+    [out] = llm.generate(PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=3, **kwargs))
+    return out
+
+
+def test_slices_give_the_same_logprobs(engine_llm, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    whole = scored(engine_llm)
+    monkeypatch.setattr(prompt_logprobs, "SLICE", 5)
+    sliced = scored(engine_llm)
+    assert whole.prompt_logprobs is not None and sliced.prompt_logprobs is not None
+    assert len(whole.prompt_logprobs) == len(whole.prompt_token_ids)
+    assert whole.prompt_logprobs[0] is None
+    for a, b in zip(whole.prompt_logprobs[1:], sliced.prompt_logprobs[1:]):
+        assert a is not None and b is not None and a.keys() == b.keys()
+        assert max(abs(a[t] - b[t]) for t in a) < 1e-5
+    # Each entry: the prompt's token first, then the 3 most likely (4 entries at most).
+    tokens = whole.prompt_token_ids
+    for i, entry in enumerate(whole.prompt_logprobs[1:], start=1):
+        assert entry is not None and next(iter(entry)) == tokens[i] and 3 <= len(entry) <= 4
+
+
+def test_n_sequences_share_one_computation(engine_llm) -> None:  # type: ignore[no-untyped-def]
+    one = scored(engine_llm)
+    several = scored(engine_llm, n=3, temperature=1.0, seed=1)
+    assert len(several.outputs) == 3
+    assert several.prompt_logprobs is not None and one.prompt_logprobs is not None
+    assert [e and list(e) for e in several.prompt_logprobs] == [
+        e and list(e) for e in one.prompt_logprobs
+    ]
+
+
+def test_no_prefix_cache_hit_without_logits(engine_llm) -> None:  # type: ignore[no-untyped-def]
+    plain = engine_llm.generate(PROMPT, SamplingParams(max_tokens=1))
+    again = engine_llm.generate(PROMPT, SamplingParams(max_tokens=1))[0]
+    assert again.num_cached_tokens > 0  # the prompt is cached
+    scored_out = scored(engine_llm)
+    assert scored_out.num_cached_tokens == 0  # computed again: cached blocks have no logits
+    assert plain[0].prompt_logprobs is None  # not asked: none computed
