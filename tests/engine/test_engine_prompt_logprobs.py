@@ -50,3 +50,25 @@ def test_no_prefix_cache_hit_without_logits(engine_llm) -> None:  # type: ignore
     scored_out = scored(engine_llm)
     assert scored_out.num_cached_tokens == 0  # computed again: cached blocks have no logits
     assert plain[0].prompt_logprobs is None  # not asked: none computed
+
+
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preempted_requests_keep_their_prompt_logprobs(engine_llm, preemption_mode: str) -> None:  # type: ignore[no-untyped-def]
+    """A tiny pool preempts: a recomputed prompt is not scored twice, a swapped one keeps its
+    scores; both equal the roomy engine's."""
+    from pdserve import LLM
+    from tests.conftest import PROMPTS, assert_no_leaks
+
+    params = SamplingParams(temperature=0, max_tokens=24, prompt_logprobs=1)
+    expected = engine_llm.generate(PROMPTS, params)
+    swap = {"num_swap_blocks": 64} if preemption_mode == "swap" else {}
+    tiny = LLM(num_threads=2, num_blocks=14, preemption_mode=preemption_mode, **swap)
+    outs = tiny.generate(PROMPTS, params)
+    assert tiny.engine.scheduler.num_preemptions > 0
+    for out, ref in zip(outs, expected):
+        assert out.prompt_logprobs is not None and ref.prompt_logprobs is not None
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs) == len(out.prompt_token_ids)
+        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert a is not None and b is not None and a.keys() == b.keys()
+            assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+    assert_no_leaks(tiny.engine)
