@@ -38,6 +38,22 @@ def draw_seed(seed: int, index: int, position: int) -> int:
     return _mix64((base + (position + 1) * _GAMMA) & _MASK64)
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output, compiled to a token mask by the workers (xgrammar).
+
+    ``kind`` is one of ``STRUCTURED_KINDS``; ``spec`` is what it constrains to: a JSON schema
+    (json_schema, as JSON text), a regex, a JSON list of strings (choice), an EBNF grammar, or ""
+    (json_object: any JSON object). Equal specs share one compiled grammar per worker.
+    """
+
+    kind: str
+    spec: str = ""
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -66,6 +82,7 @@ class SamplingParams:
     # alternatives each (vLLM's prompt_logprobs); None: not computed.
     prompt_logprobs: int | None = None
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends a sequence before
+    structured: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +130,10 @@ class SamplingParams:
                 raise ValueError(f"logit_bias {rule}, got {token}: {bias}")
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings")
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"structured kind must be one of {STRUCTURED_KINDS}, got {self.structured.kind!r}"
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -7,7 +7,7 @@ proto3 cannot tell an unset number from zero, so for ``n``, ``top_p``, ``repetit
 
 from __future__ import annotations
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, StructuredOutput
 from protos import pdserve_pb2 as pb
 
 TOKEN_HEADER = "x-pdserve-token"  # gRPC metadata key of the cluster token
@@ -49,6 +49,11 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         min_tokens=p.min_tokens,
+        structured=(
+            StructuredOutput(p.structured.kind, p.structured.spec)
+            if p.HasField("structured")
+            else None
+        ),
     )
 
 
@@ -76,6 +81,9 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         msg.seed = s.seed
     if s.logprobs is not None:
         msg.logprobs = s.logprobs
+    if s.structured is not None:
+        msg.structured.kind = s.structured.kind
+        msg.structured.spec = s.structured.spec
     return msg
 
 

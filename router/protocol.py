@@ -12,11 +12,12 @@ is allowed with ``echo`` (the prompt alone comes back).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator
 
-from common.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from common.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 from router.errors import APIError
 from services.engine.hashing import MAX_CACHE_SALT_CHARS
 
@@ -53,6 +54,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema is enforced whatever ``strict`` says."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: free text, any JSON object, or JSON of a schema."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's ``structured_outputs`` (what replaced its ``guided_*`` fields): exactly one of
+    ``json``, ``regex``, ``choice``, ``grammar`` (EBNF) or ``json_object``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Annotated[list[Text], Field(min_length=1)] | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    structural_tag: Any = None  # refused: not supported
+    whitespace_pattern: Any = None  # refused: not supported
+
+
 class _SamplingFields(BaseModel):
     """What both endpoints share: the model, sampling, stopping and streaming."""
 
@@ -75,6 +108,9 @@ class _SamplingFields(BaseModel):
         ]
         | None
     ) = None
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's extensions
     top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
     min_p: Probability | None = None
@@ -140,9 +176,45 @@ class _SamplingFields(BaseModel):
                 logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                 prompt_logprobs=self.num_prompt_logprobs,
                 min_tokens=self.min_tokens,
+                structured=self.structured_output(),
             )
         except ValueError as exc:  # SamplingParams names the field first
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from exc
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The grammar the output must follow, from response_format or structured_outputs. A
+        spec the workers cannot compile comes back from them as a 400."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text":
+            if so is not None:
+                msg = "give response_format or structured_outputs, not both"
+                raise APIError(400, msg, param="structured_outputs")
+            if fmt.type == "json_object":
+                return StructuredOutput("json_object")
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                msg = "response_format json_schema needs json_schema.schema"
+                raise APIError(400, msg, param="response_format")
+            return StructuredOutput("json_schema", json.dumps(fmt.json_schema.schema_))
+        return None if so is None else _from_structured_outputs(so)
+
+
+def _from_structured_outputs(so: StructuredOutputsParams) -> StructuredOutput:
+    for name in ("structural_tag", "whitespace_pattern"):
+        if getattr(so, name) is not None:
+            raise APIError(400, f"structured_outputs.{name} is not supported", param=name)
+    json_spec = so.json_ if isinstance(so.json_, str) else json.dumps(so.json_)
+    candidates = [
+        (so.json_ is not None, "json_schema", json_spec),
+        (so.regex is not None, "regex", so.regex or ""),
+        (so.choice is not None, "choice", json.dumps(so.choice)),
+        (so.grammar is not None, "grammar", so.grammar or ""),
+        (bool(so.json_object), "json_object", ""),
+    ]
+    given = [StructuredOutput(kind, spec) for present, kind, spec in candidates if present]
+    if len(given) != 1:
+        msg = "structured_outputs needs exactly one of json, regex, choice, grammar, json_object"
+        raise APIError(400, msg, param="structured_outputs")
+    return given[0]
 
 
 class CompletionRequest(_SamplingFields):
@@ -223,7 +295,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     # Output kinds a text model cannot produce: refused when asked for (the check below).
     audio: Any = None
     modalities: list[str] | None = None
@@ -234,9 +305,6 @@ class ChatCompletionRequest(_SamplingFields):
         self._check_text_only()
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(400, f"response_format {kind!r} is not supported", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 

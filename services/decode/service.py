@@ -147,6 +147,7 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
                 )
             try:
                 params = params_from_proto(request.sampling)
+                await self.engine.compile_grammar(params)  # off the step thread
             except ValueError as exc:
                 self.metrics.requests.labels(outcome="invalid").inc()
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -23,6 +23,7 @@ import torch
 from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool, HostBlockPool
 from services.engine.config import EngineConfig, ModelConfig
+from services.engine.grammar import Grammars
 from services.engine.kv_handoff import KVHandoff, PullPlan
 from services.engine.model.loader import load_model
 from services.engine.model.source import resolve_model_dir
@@ -80,7 +81,13 @@ class LLMEngine:
             cache.shared_memory_path,
             attention=backend,
         )
-        self.sampler = Sampler(config.seed)
+        self.grammars = Grammars(
+            self.tokenizer.path,
+            self.tokenizer.vocab(),
+            mcfg.vocab_size,
+            sorted(self.tokenizer.eos_token_ids),
+        )
+        self.sampler = Sampler(config.seed, self.grammars)
         self.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # min_tokens
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         vocab = mcfg.vocab_size
@@ -188,6 +195,8 @@ class LLMEngine:
         """A pinned request's id stays in use until its release: its lease names it."""
         if request_id in self._requests or self.handoff.is_pinned(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.structured is not None:  # refused here when it does not compile (cached)
+            self.grammars.compile(params.structured)
         return self.builder.build(request_id, prompt, params, cache_salt)
 
     # ----- the step -------------------------------------------------------------------------
@@ -208,6 +217,7 @@ class LLMEngine:
         return a delta for every request that advanced."""
         if batch.is_empty:
             return []
+        self.sampler.prepare(_to_sample(batch))  # grammar masks, while the model runs
         logits, seqs = self.runner.execute(batch)
         record_prompt_logprobs(self.runner.prompt_hidden, self.model.compute_logits)
         self.scheduler.on_step_done(batch)
@@ -353,3 +363,10 @@ class LLMEngine:
             prefix_cache_hits=pool.num_prefix_hit_tokens,
             num_preemptions=sched.num_preemptions,
         )
+
+
+def _to_sample(batch: ScheduledBatch) -> list[Sequence]:
+    """The sequences ``batch`` completes: those sampled after it (the model runner's rule)."""
+    return [
+        s for s, n in zip(batch.seqs, batch.num_tokens) if s.num_computed_tokens + n == s.num_tokens
+    ]

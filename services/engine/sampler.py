@@ -12,16 +12,26 @@ sequence, all give the same tokens. Unseeded rows share the sampler's generator.
 ``logit_bias`` is added to its raw logits before the penalties (logprobs stay unbiased), and
 while a sequence has fewer than ``min_tokens`` output tokens its EOS and stop token ids are
 masked out.
+
+Structured outputs: after the penalties, a row with a grammar has the tokens its grammar forbids
+masked (services/engine/grammar.py), greedy rows included. The masks are computed on a thread of
+their own while the model runs (``prepare``, called before the forward pass); a row not prepared
+(an n > 1 fork) is masked at sampling time.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from common.sampling_params import draw_seed
+from services.engine.grammar import Grammars, SequenceMatcher, allocate_bitmask, apply_bitmask
 from services.engine.sequence import Sequence
+
+# A prepared mask row is for a sequence at a given length: (seq_id, num_output_tokens).
+MaskKey = tuple[int, int]
 
 
 @dataclass
@@ -35,12 +45,64 @@ class Sampler:
 
     eos_token_ids: frozenset[int] = frozenset()  # the engine sets the model's (min_tokens)
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, grammars: Grammars | None = None):
         self.generator = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()  # re-seeded before each seeded row's draw
+        self.grammars = grammars
+        self._matchers: dict[int, SequenceMatcher] = {}
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._prepared: Future[dict[MaskKey, torch.Tensor]] | None = None
 
     def forget(self, seq: Sequence) -> None:
-        """``seq`` has ended. Nothing to drop: a seeded draw keeps no state between steps."""
+        """``seq`` has ended: drop its grammar state (a seeded draw keeps none between steps)."""
+        self._matchers.pop(seq.seq_id, None)
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Start computing the grammar masks of ``seqs`` (those the next call samples) on the
+        mask thread, to overlap the model's forward pass."""
+        structured = [s for s in seqs if s.params.structured is not None]
+        if not structured or self.grammars is None:
+            self._prepared = None
+            return
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        self._prepared = self._mask_thread.submit(self._fill_masks, structured)
+
+    def _fill_masks(self, seqs: list[Sequence]) -> dict[MaskKey, torch.Tensor]:
+        """Each sequence's mask row, synced to its output so far; none where nothing is masked."""
+        assert self.grammars is not None
+        bitmask = allocate_bitmask(len(seqs), self.grammars.vocab_size)
+        rows: dict[MaskKey, torch.Tensor] = {}
+        for i, seq in enumerate(seqs):
+            matcher = self._matchers.get(seq.seq_id)
+            if matcher is None:
+                spec = seq.params.structured
+                assert spec is not None  # only structured sequences come here
+                matcher = self._matchers[seq.seq_id] = self.grammars.matcher(spec)
+            matcher.sync(seq.output_token_ids)
+            if matcher.fill(bitmask, i):
+                rows[(seq.seq_id, seq.num_output_tokens)] = bitmask[i]
+        return rows
+
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Mask, in place, what each structured row's grammar forbids."""
+        prepared, self._prepared = self._prepared, None
+        structured = [i for i, s in enumerate(seqs) if s.params.structured is not None]
+        if not structured or self.grammars is None:
+            return
+        rows = prepared.result() if prepared is not None else {}
+        keys = [(seqs[i].seq_id, seqs[i].num_output_tokens) for i in structured]
+        missing = [seqs[i] for i, key in zip(structured, keys) if key not in rows]
+        if missing:
+            rows.update(self._fill_masks(missing))
+        bitmask = allocate_bitmask(len(seqs), self.grammars.vocab_size)
+        masked = []
+        for i, key in zip(structured, keys):
+            if key in rows:
+                bitmask[i] = rows[key]
+                masked.append(i)
+        if masked:
+            apply_bitmask(logits, bitmask, masked)
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         seed = seq.params.seed
@@ -63,6 +125,7 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
+        self._apply_grammars(logits, seqs)
         greedy = torch.tensor([p.is_greedy for p in params])
         tokens = logits.max(dim=-1).indices  # argmax's first maximum, 1.6x faster on CPU here
         if not bool(greedy.all()):

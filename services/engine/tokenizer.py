@@ -22,6 +22,7 @@ class Tokenizer:
         if not path.exists():
             raise ModelLoadError(f"model directory {str(model_dir)!r} has no tokenizer.json")
         self._tok = FastTokenizer.from_file(str(path))
+        self.path = path
         config_path = Path(model_dir) / "tokenizer_config.json"
         config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
@@ -38,6 +39,10 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    def vocab(self) -> dict[str, int]:
+        """Every token's id, added tokens included (the grammar engine reads it)."""
+        return self._tok.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -108,7 +108,9 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
             self.metrics.requests.labels(outcome="rejected").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining or full")
         try:
-            return dataclasses.replace(params_from_proto(request.sampling), n=1)
+            params = dataclasses.replace(params_from_proto(request.sampling), n=1)
+            await self.engine.compile_grammar(params)  # off the step thread
+            return params
         except ValueError as exc:
             self.metrics.requests.labels(outcome="invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

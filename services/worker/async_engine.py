@@ -106,6 +106,13 @@ class AsyncEngine:
             raise
         return stream, seqs
 
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) on a thread of the pool, not the step's: the
+        step that adds the request finds it cached (GrammarError, a ValueError: it does not
+        compile)."""
+        if params.structured is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.structured)
+
     async def prefill_admitted(self, request_id: str) -> list[int]:
         """A prefill-only request's blocks (the whole prompt's), once the scheduler admits it."""
         return await asyncio.shield(self._admissions[request_id])

@@ -1,0 +1,120 @@
+"""Structured outputs hold on every route a prompt can take, and a seeded request gives the same
+constrained tokens on each: local, pulled, streamed, and recomputed after a failed pull (the
+decode engine rebuilds the grammar's state from the prefill engine's first token).
+
+The in-process prefill/decode pair of test_seed_routes; temperature 1, so every token is a draw
+the mask had to constrain.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+
+from common.sampling_params import SamplingParams, StructuredOutput
+from services.engine.grammar import GrammarError
+from services.engine.llm_engine import LLMEngine
+from tests.conftest import assert_no_leaks
+from tests.engine.test_seed_routes import ROUTES, disaggregated, local, new_engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+REGEX = r"[A-Z][a-z]{1,4}-[0-9]{2,3}"
+CHOICES = ["red", "green", "blue"]
+CASES = {  # name -> (prompt, structured, n); json_object greedy: free JSON can run past max_tokens
+    "schema": ("A person as JSON:", StructuredOutput("json_schema", json.dumps(SCHEMA)), 1),
+    "schema-n3": ("Describe a pet owner:", StructuredOutput("json_schema", json.dumps(SCHEMA)), 3),
+    "object": ('{"name": "Bob"} is JSON. Another one:', StructuredOutput("json_object"), 1),
+    "regex": ("A code:", StructuredOutput("regex", REGEX), 2),
+    "choice": ("A colour:", StructuredOutput("choice", json.dumps(CHOICES)), 1),
+    "grammar": ("Yes or no?", StructuredOutput("grammar", 'root ::= ("yes" | "no") "!"'), 1),
+}
+
+
+def valid(structured: StructuredOutput, text: str) -> bool:
+    if structured.kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if structured.kind == "json_object":
+        return isinstance(json.loads(text), dict)
+    if structured.kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if structured.kind == "choice":
+        return text in CHOICES
+    return text in ("yes!", "no!")
+
+
+LOCAL: dict[str, list[list[int]]] = {}
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    prefill, decode = new_engine(), new_engine()
+    yield prefill, decode
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_constrained_tokens_are_valid_and_the_same_on_every_route(engines, case, route):  # type: ignore[no-untyped-def]
+    prompt, structured, n = CASES[case]
+    p_engine, d_engine = engines
+    temperature = 0.0 if structured.kind == "json_object" else 1.0
+    params = SamplingParams(
+        n=n, temperature=temperature, seed=11, max_tokens=40, structured=structured
+    )
+    ids = d_engine.tokenizer.encode(prompt)
+    if case not in LOCAL:  # the local route's answer, once per case
+        LOCAL[case] = local(d_engine, f"local-{case}", ids, params)
+        for tokens in LOCAL[case]:
+            assert valid(structured, d_engine.tokenizer.decode(tokens)), tokens
+    want = LOCAL[case]
+    got = disaggregated(engines, f"{route}-{case}", ids, params, route)
+    assert got == want
+    assert_no_leaks(p_engine)
+    assert_no_leaks(d_engine)
+
+
+def test_a_grammar_is_compiled_once_per_spec(engines):  # type: ignore[no-untyped-def]
+    _, engine = engines
+    spec = StructuredOutput("regex", "[0-9]{4}")
+    before = engine.grammars.compiles
+    for i in range(3):
+        local(
+            engine,
+            f"once-{i}",
+            engine.tokenizer.encode("A year:"),
+            SamplingParams(seed=i, max_tokens=8, structured=spec),
+        )
+    assert engine.grammars.compiles == before + 1
+
+
+@pytest.mark.parametrize(
+    "structured",
+    [
+        StructuredOutput("json_schema", "{not json"),
+        StructuredOutput("regex", "[a-"),
+        StructuredOutput("grammar", "root ::= undefined_rule"),
+        StructuredOutput("choice", "[]"),
+    ],
+)
+def test_a_spec_that_does_not_compile_is_refused_with_nothing_allocated(engines, structured):  # type: ignore[no-untyped-def]
+    _, engine = engines
+    params = SamplingParams(max_tokens=4, structured=structured)
+    with pytest.raises(GrammarError):
+        engine.add_request("bad-spec", engine.tokenizer.encode("x"), params)
+    assert not engine.has_unfinished_requests()
+    assert_no_leaks(engine)
