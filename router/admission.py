@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -42,7 +40,7 @@ from router.metrics import RouterMetrics
 T = TypeVar("T")
 RATE_WINDOW_SECONDS = 30.0  # of busy time: how far back the start rate is measured
 MIN_RATE_SAMPLE_SECONDS = 1.0
-TOKENIZER_NICENESS = 10  # of busy time: less, and the rate is not known yet
+TOKENIZER_NICENESS = 0  # of busy time: less, and the rate is not known yet
 
 
 class LoadEstimator:
@@ -108,9 +106,8 @@ class Admission:
             config.max_concurrency, config.max_queued_requests, config.max_client_share
         )
         self.load = LoadEstimator()
-        self._executor = ThreadPoolExecutor(
-            config.tokenizer_threads, "pdserve-tokenize", initializer=_yield_to_the_event_loop
-        )
+        # Threads suffice: the tokenizer lets go of the GIL while it works (Tokenizer.encode).
+        self._executor = ThreadPoolExecutor(config.tokenizer_threads, "pdserve-tokenize")
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -272,15 +269,6 @@ class Admission:
 
     def _count(self, reason: str) -> None:
         self.metrics.rejected.labels(reason=reason).inc()
-
-
-def _yield_to_the_event_loop() -> None:
-    """Tokenizer threads run at a lower priority (nice +10) than the event loop's thread, so that
-    on a busy machine a long tokenization takes the spare CPU, not the probes' and streams'."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICENESS)
-    except (AttributeError, OSError):  # not Linux, or not allowed: the same priority, then
-        pass
 
 
 class Ticket:

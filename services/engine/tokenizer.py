@@ -45,7 +45,10 @@ class Tokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: only the batch call lets go of the GIL while it works, so a
+        # long text tokenized in a thread does not stall the event loop (the router's probes).
+        encoding = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return encoding.ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

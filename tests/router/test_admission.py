@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -321,23 +318,5 @@ def test_a_predicted_wait_over_the_limit_is_a_503_at_once() -> None:
             assert patient.load.not_started == 20
         assert patient.slots.in_use == 0 and patient.load.not_started == 20
         patient.close()
-
-    run(main())
-
-
-def test_tokenizer_threads_yield_the_cpu_to_the_event_loop() -> None:
-    """A long tokenization must not take the CPU from the thread that answers probes: the pool's
-    threads run at niceness 10 (Linux sets it per thread)."""
-
-    def niceness() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    async def main() -> None:
-        admission = Admission(RouterConfig(), 81, RouterMetrics())
-        try:
-            in_pool = await admission.run_tokenizer(A, time.monotonic() + 10, niceness)
-        finally:
-            admission.close()
-        assert in_pool == niceness() + 10
 
     run(main())

@@ -125,7 +125,8 @@ def hostile_clients(router: Router, until: float, log: Log) -> list[threading.Th
         return call
 
     def slow_reader() -> int:
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "stream": True}
+        prompts = ["Once upon a time", "In a galaxy far away"]  # the multi-prompt path
+        body = {"model": MODEL, "prompt": prompts, "max_tokens": 48, "stream": True}
         with httpx.Client(timeout=60) as http:
             with http.stream("POST", url, json=body, headers=auth) as stream:
                 for _ in stream.iter_lines():
