@@ -6,8 +6,8 @@ decode worker rebuilds the grammar's state and continues) and on the local route
 worker computes the prompt). Every answer validates, and the same seed gives the same answer
 on both routes.
 
-``PDSERVE_STRUCTURED_EXAMPLES`` sets how many examples each property runs (default 30; the
-figure of a longer run is in docs/structured_outputs.md).
+``PDSERVE_STRUCTURED_EXAMPLES`` sets how many examples each property runs (default 12, to keep
+``make test`` short; the figure of a longer run is in docs/structured_outputs.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
 
-EXAMPLES = int(os.environ.get("PDSERVE_STRUCTURED_EXAMPLES", "30"))
+EXAMPLES = int(os.environ.get("PDSERVE_STRUCTURED_EXAMPLES", "12"))
 PROPERTY = settings(
     max_examples=EXAMPLES,
     deadline=None,
