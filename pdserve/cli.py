@@ -176,6 +176,14 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_router_keeper(args: argparse.Namespace) -> int:
+    from pdserve.keeper import run_keeper
+
+    config = router_config_from_args(args)  # the flags checked here, before any child starts
+    router_args = args.argv[args.argv.index("router-keeper") + 1 :]
+    return run_keeper(config.host, config.port, router_args)
+
+
 def add_up_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """`pdserve up`'s own settings, then the router's and the engine's it hands on."""
     from pdserve.up import ROUTER_SKIP, UpConfig
@@ -324,6 +332,14 @@ def make_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_router_args(router, env)
     router.set_defaults(func=cmd_router)
 
+    keeper = command(
+        "router-keeper",
+        "a router on a port this process keeps: SIGUSR1 replaces the router without a lost "
+        "request (for a container, docker-compose.yml); same flags as `router`",
+    )
+    add_router_args(keeper, env)
+    keeper.set_defaults(func=cmd_router_keeper)
+
     up = command("up", "Redis, workers and the router on this machine (what `make up` runs)")
     add_up_args(up, env)
     up.set_defaults(func=cmd_up)
@@ -342,7 +358,9 @@ def parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent_if_asked()  # a child of `pdserve up` or a test: never outlive it
     try:
+        argv = sys.argv[1:] if argv is None else list(argv)
         args = make_parser(os.environ).parse_args(argv)
+        args.argv = argv  # router-keeper hands its flags on to its router
         return int(args.func(args))
     except ValueError as exc:  # bad input: a clear message, not a traceback
         print(f"error: {exc}", file=sys.stderr)

@@ -67,6 +67,7 @@ from typing import Any, TextIO
 
 from common.settings import same_setting, setting, shared_with, to_flags
 from common.shared_settings import ClusterSettings, TracingSettings
+from pdserve.handover import ROUTER_STOP_SECONDS, hand_over, listen
 from pdserve.supervisor import Restartable, Supervisor
 from router.config import RouterConfig
 from services.engine.config import EngineConfig, default_num_threads
@@ -74,12 +75,10 @@ from services.redis_server import RedisServer, RedisServerError
 from services.worker.config import TRANSPORTS
 from services.worker.launcher import WorkerProcess
 
-ROUTER_STOP_SECONDS = 30.0
 WORKER_STOP_SECONDS = 40.0  # the workers' default drain (30 s) plus their own shutdown
 POLL_SECONDS = 0.2
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ROLL_SIGNAL = signal.SIGUSR1  # replace every component, one at a time
-LISTEN_FD_ENV = "PDSERVE_LISTEN_FD"  # router.server.LISTEN_FD_ENV (not imported: it loads torch)
 
 
 class UpError(RuntimeError):
@@ -222,16 +221,11 @@ def _exit_reason(code: int | None) -> str:
 
 def _listen(port: int) -> socket.socket:
     """The router's listening socket, bound here at once (before any model loads) and handed
-    to every router started (as `router.server.bind` makes it)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    to every router started (`pdserve.handover`)."""
     try:
-        sock.bind(("127.0.0.1", port))
+        return listen("127.0.0.1", port)
     except OSError as exc:
-        sock.close()
         raise UpError(f"port {port} is not free ({exc.strerror}): use --port (0: any)") from exc
-    sock.listen(2048)
-    return sock
 
 
 def _say(message: str) -> None:
@@ -466,9 +460,8 @@ class UpSystem:
             env["PDSERVE_API_KEY"] = cfg.router.api_key
         port = self.listener.getsockname()[1]  # --port 0: the one picked
         router_args = cfg.router_args(self.redis.address, port) + insecure
-        env[LISTEN_FD_ENV] = str(self.listener.fileno())
         self.router = Component("router", "router", router_args, env, self.log)
-        self.router.pass_fds = (self.listener.fileno(),)
+        hand_over(self.router, self.listener)
         for component in self.components:
             if self._stop_requested.is_set():
                 return False

@@ -11,7 +11,17 @@ import sys
 
 from pdserve.cli import make_parser, parse, worker_config_from_args
 
-COMMANDS = ["generate", "demo", "prefill", "decode", "colocated", "router", "up", "plan"]
+COMMANDS = [
+    "generate",
+    "demo",
+    "prefill",
+    "decode",
+    "colocated",
+    "router",
+    "router-keeper",
+    "up",
+    "plan",
+]
 MODULE_PATH = re.compile(r"\b(common|router|services|kvtransfer|loadtest|pdserve)\.[a-z_]+\b")
 
 

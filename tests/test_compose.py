@@ -241,7 +241,9 @@ def test_dockerfile_runs_pdserve_as_non_root_with_every_package() -> None:
     # The same image serves every pdserve service: ENTRYPOINT + command.
     services = load_compose({})["services"]
     assert {services[n]["image"] for n in PDSERVE_SERVICES} == {"pdserve:latest"}
-    assert [services[n]["command"] for n in PDSERVE_SERVICES] == [[n] for n in PDSERVE_SERVICES]
+    # The router under its keeper (`pdserve router-keeper`): SIGUSR1 replaces it in place.
+    commands = {n: [n] for n in WORKERS} | {"router": ["router-keeper"]}
+    assert {n: services[n]["command"] for n in PDSERVE_SERVICES} == commands
 
 
 # -- 3. the compose services as local processes --------------------------------------------------

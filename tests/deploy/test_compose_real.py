@@ -14,7 +14,10 @@ One Compose project for the module, tests in order:
    worker, and Compose's restart policy brings the container back;
 4. a rolling restart of each worker pool (every container in turn, SIGTERM and drain) while
    requests flow: none fails;
-5. ``down -v`` leaves no container, network or volume of the project behind.
+5. a rolling restart of the router, twice, inside its container (SIGUSR1 to its keeper: a new
+   router on the same listening socket, then the old one drains) while requests flow: none
+   fails;
+6. ``down -v`` leaves no container, network or volume of the project behind.
 """
 
 from __future__ import annotations
@@ -318,7 +321,7 @@ def test_a_rolling_restart_of_each_worker_pool_loses_no_request(
     """Each prefill and decode container in turn, while requests flow: `docker restart` stops it
     with SIGTERM (it drains: in-flight requests end, its KV handles are pulled, it deregisters),
     then starts it again; the other container of its pool serves meanwhile. None fails. (The
-    router cannot be rolled this way: one published port; docs/reliability.md.)"""
+    router is rolled inside its container instead: the next test.)"""
     took: dict[str, float] = {}
     with Traffic(client, model) as traffic:
         for service in ("prefill", "decode"):
@@ -336,6 +339,50 @@ def test_a_rolling_restart_of_each_worker_pool_loses_no_request(
     print(f"rolled {took} (seconds each); {traffic.ok} requests meanwhile")
     assert traffic.errors == [], traffic.errors[:5]
     assert traffic.ok > 0
+
+
+def test_a_rolling_restart_of_the_router_loses_no_request(
+    stack: Stack, client: OpenAI, model: str
+) -> None:
+    """The router twice, in place, while requests flow: SIGUSR1 to its container's keeper
+    (`pdserve router-keeper`, PID 1) starts a second router on the same listening socket, and
+    once it is ready the old one drains. The published port never closes; none fails."""
+    (container,) = stack.containers("router")
+    took: list[float] = []
+    with Traffic(client, model) as traffic:
+        for turn in (1, 2):
+            time.sleep(2)  # requests on the current router's connections
+            started = time.monotonic()
+            run("docker", "kill", "-s", "USR1", container)
+            wait_for(
+                f"router replacement {turn}",
+                lambda turn=turn: len(router_replacements(container)) == turn,
+                timeout=120,
+                interval=0.5,
+            )
+            took.append(time.monotonic() - started)
+        time.sleep(3)  # traffic on the last router while the old one finishes its drain
+    replaced = router_replacements(container)
+    print(f"router replaced twice ({took} s each): {replaced}; {traffic.ok} requests meanwhile")
+    assert traffic.errors == [], traffic.errors[:5]
+    assert traffic.ok > 0
+    pids = [line.split()[-1] for line in replaced]  # "... pid A -> pid B (ready after ..)"
+    assert len(set(pids)) == 2, replaced
+    assert run("docker", "inspect", "-f", "{{.RestartCount}}", container).strip() == "0"
+    assert stack.ready()
+
+
+def router_replacements(container: str) -> list[str]:
+    """The keeper's 'router replaced: pid A -> pid B' lines, "pid A -> pid B" of each."""
+    proc = subprocess.run(
+        ["docker", "logs", container], capture_output=True, text=True, check=True, timeout=30
+    )
+    lines = (proc.stdout + proc.stderr).splitlines()
+    return [
+        line.partition("router replaced: ")[2].partition(" (")[0]
+        for line in lines
+        if "router replaced: " in line
+    ]
 
 
 def replaced_one(stack: Stack, service: str, before: set[str]) -> bool:
