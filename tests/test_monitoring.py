@@ -272,7 +272,8 @@ def test_scrape_config_finds_every_compose_service_where_it_serves_metrics() -> 
             env = service["environment"]
             port = env["PDSERVE_PORT"] if name == "router" else env["PDSERVE_METRICS_PORT"]
             assert discovery["port"] == int(port), (name, service_name)
-            assert service["command"] == [name]
+            # the router service runs the keeper, which serves through its router child
+            assert service["command"] == [name if name != "router" else "router-keeper"]
     # Every compose service that runs a pdserve worker is scraped.
     workers = {n for n, s in services.items() if s.get("command") in (["prefill"], ["decode"])}
     assert workers == {n for j in jobs.values() for n in j["dns_sd_configs"][0]["names"]} - {
