@@ -30,6 +30,7 @@ same Hugging Face directory: pdserve's conversion of the default model.
     python benchmarks/peer_vllm.py --online [--num-prompts 96]
     python benchmarks/peer_vllm.py --profile
     python benchmarks/peer_vllm.py --dtype float32   # both systems in float32
+    python benchmarks/peer_vllm.py --dtype fastest   # each system in its faster dtype
 
 ``--dtype float32`` is the fair check on a CPU without bfloat16 dot products (no ``avx512_bf16``,
 no AMX): there vLLM's bfloat16 GEMMs run oneDNN's emulation while pdserve widens its weights,
@@ -132,10 +133,16 @@ def model_dir() -> Path:
 
 
 def run_side(
-    python: str, system: str, env: dict[str, str], args: argparse.Namespace, *extra: str
+    python: str,
+    system: str,
+    env: dict[str, str],
+    args: argparse.Namespace,
+    *extra: str,
+    dtype: str | None = None,
 ) -> dict:
+    dtype = dtype or args.dtype
     command = [python, str(ROOT / "benchmarks" / "peer_runner.py"), "--system", system]
-    command += ["--model", str(args.model), "--repeats", str(args.repeats), "--dtype", args.dtype]
+    command += ["--model", str(args.model), "--repeats", str(args.repeats), "--dtype", dtype]
     command += extra
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -153,27 +160,43 @@ def sides_of(args: argparse.Namespace, peer: Path) -> dict[str, tuple[str, dict[
 
 
 def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
+    """Each system in each dtype asked for; with ``--dtype fastest`` both dtypes, and each
+    system's rate per workload is that of its faster dtype (named in ``dtypes``)."""
     sides = sides_of(args, peer)
-    seconds: dict[str, dict[str, list[float]]] = {s: {w: [] for w in WORKLOADS} for s in sides}
-    outputs: dict[str, list[list[int]]] = {}
+    dtypes = list(SHORT) if args.dtype == "fastest" else [args.dtype]
+    seconds = {s: {d: {w: [] for w in WORKLOADS} for d in dtypes} for s in sides}
+    outputs: dict[str, dict[str, list[list[int]]]] = {s: {} for s in sides}
     load_s: dict[str, list[float]] = {s: [] for s in sides}
-    with tqdm(total=args.rounds * 2, unit="run", file=sys.stderr) as bar:
+    runs = [(s, d) for s in sides for d in dtypes]
+    with tqdm(total=args.rounds * len(runs), unit="run", file=sys.stderr) as bar:
         for r in range(args.rounds):
-            order = list(sides) if r % 2 == 0 else list(reversed(sides))
-            for system in order:
-                bar.set_description(f"round {r + 1}: {system}")
+            for system, dtype in runs if r % 2 == 0 else list(reversed(runs)):
+                bar.set_description(f"round {r + 1}: {system} {SHORT[dtype]}")
                 python, env = sides[system]
-                result = run_side(python, system, env, args)
+                result = run_side(python, system, env, args, dtype=dtype)
                 for name, times in result["seconds"].items():
-                    seconds[system][name] += times
-                outputs[system] = result["outputs"]["batch"]
+                    seconds[system][dtype][name] += times
+                outputs[system][dtype] = result["outputs"]["batch"]
                 load_s[system].append(result["load_s"])
                 bar.update(1)
-    rates = {
-        s: {w: rate(w, statistics.median(t)) for w, t in by.items()} for s, by in seconds.items()
+    by_dtype = {
+        s: {d: {w: rate(w, statistics.median(t)) for w, t in by.items()} for d, by in ds.items()}
+        for s, ds in seconds.items()
     }
-    same = sum(a == b for a, b in zip(outputs["pdserve"], outputs["vllm"]))
-    return {"seconds": seconds, "rates": rates, "load_s": load_s, "identical_batch_outputs": same}
+    chosen = {
+        s: {w: max(dtypes, key=lambda d: by_dtype[s][d][w]) for w in WORKLOADS} for s in sides
+    }
+    rates = {s: {w: by_dtype[s][chosen[s][w]][w] for w in WORKLOADS} for s in sides}
+    batch = {s: outputs[s][chosen[s]["batch"]] for s in sides}
+    same = sum(a == b for a, b in zip(batch["pdserve"], batch["vllm"]))
+    return {
+        "seconds": seconds,
+        "rates_by_dtype": by_dtype,
+        "dtypes": chosen,
+        "rates": rates,
+        "load_s": load_s,
+        "identical_batch_outputs": same,
+    }
 
 
 def rate(workload: str, seconds: float) -> float:
@@ -190,12 +213,23 @@ def print_offline(result: dict[str, Any], dtype: str) -> None:
         "prefill512": "prefill 512 tokens, prompt tok/s",
         "prefill2048": "prefill 2048 tokens, prompt tok/s",
     }
-    rates = result["rates"]
-    head = f"workload ({SHORT[dtype]}, medians)"
-    print(f"\n{head:<36}{'vLLM CPU':>10}{'pdserve':>10}{'ratio':>8}")
+    rates, chosen = result["rates"], result["dtypes"]
+    head = f"workload ({SHORT.get(dtype, dtype)}, medians)"
+    print(f"\n{head:<36}{'vLLM CPU':>15}{'pdserve':>15}{'ratio':>8}")
     for name, label in labels.items():
         ours, theirs = rates["pdserve"][name], rates["vllm"][name]
-        print(f"{label:<36}{theirs:>10.1f}{ours:>10.1f}{ours / theirs:>7.2f}x")
+        cells = [
+            f"{r:.1f} {SHORT[chosen[s][name]]}" for s, r in (("vllm", theirs), ("pdserve", ours))
+        ]
+        print(f"{label:<36}{cells[0]:>15}{cells[1]:>15}{ours / theirs:>7.2f}x")
+    if dtype == "fastest":
+        print("each system in its faster dtype per workload (measured in this run, both tried):")
+        for system, by_dtype in result["rates_by_dtype"].items():
+            cells = ", ".join(
+                f"{w} " + "/".join(f"{SHORT[d]} {r[w]:.1f}" for d, r in by_dtype.items())
+                for w in labels
+            )
+            print(f"  {system}: {cells}")
     print(f"batch outputs identical token for token: {result['identical_batch_outputs']} of 64")
 
 
@@ -401,7 +435,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="offline: runs of each system")
     p.add_argument("--repeats", type=int, default=3, help="offline: timings per workload and run")
     p.add_argument("--num-prompts", type=int, default=96, help="online: requests in the burst")
-    p.add_argument("--dtype", choices=tuple(SHORT), default="bfloat16", help="both systems'")
+    p.add_argument(
+        "--dtype",
+        choices=(*SHORT, "fastest"),
+        default="bfloat16",
+        help="both systems'; fastest: each in both, and each system's faster one (offline only)",
+    )
     p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
@@ -423,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         "peer": PEER,
         "dtype": args.dtype,
     }
+    if args.dtype == "fastest" and (args.online or args.profile):
+        raise SystemExit("--dtype fastest is offline only: run --online once per dtype")
     suffix = "" if args.dtype == "bfloat16" else f"_{args.dtype}"
     for wanted, run, show, name, key in (
         (args.profile, profiles, print_profiles, "peer_vllm_profile.json", "profile_ms_per_step"),
@@ -442,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     plot = args.out_dir / f"peer_vllm{suffix}.png"
     bf16 = "with" if native_matmul(torch.bfloat16) else "without"
     title = (
-        f"pdserve vs vLLM CPU build, {SHORT[args.dtype]}, {machine['cpu']} ({bf16} avx512_bf16), "
+        f"pdserve vs vLLM CPU build, {SHORT.get(args.dtype, args.dtype)}, {machine['cpu']} "
+        f"({bf16} avx512_bf16), "
         f"{machine['cores']} cores (medians)"
     )
     saved = [path] + ([plot] if save_plot(plot, result["rates"], title) else [])
