@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -29,6 +30,8 @@ from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, now_unix
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import DONE, Prompt, ResponseBuilder
+from router.tool_output import ToolOutput
+from router.tool_parsers import parser_for
 from router.worker_calls import Chunk, SubRequest
 
 log = logging.getLogger(__name__)
@@ -62,12 +65,14 @@ def create_app(gateway: Gateway) -> FastAPI:
         app.add_middleware(TraceMiddleware)
 
     admission = gateway.admission
+    tool_parser = parser_for(gateway.config.tool_call_parser, gateway.model.tokenizer.chat_template)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         arrival, client, deadline = _arrival(gateway, request)
         gateway.check_model(body.model)
         body.check_supported()
+        body = gateway.model.generation.apply(body)  # the model's sampling defaults
         texts = body.prompts()
         admission.check_shape(client, len(texts), body.n, body.stop)
         lengths = [len(p) for p in texts if isinstance(p, str)]
@@ -91,10 +96,13 @@ def create_app(gateway: Gateway) -> FastAPI:
         arrival, client, deadline = _arrival(gateway, request)
         gateway.check_model(body.model)
         body.check_supported()
+        body = gateway.model.generation.apply(body)  # the model's sampling defaults
         admission.check_shape(client, 1, body.n, body.stop, len(body.messages))
-        messages = body.template_messages()
-        admission.check_text([_text_length(messages)], gateway.model.max_model_len, "messages")
-        prompt = await admission.run_tokenizer(client, deadline, gateway.chat_prompt, messages)
+        messages, tools = body.template_messages(), body.tool_plan().template_tools
+        num_chars = _text_length(messages) + len(json.dumps(tools) if tools else "")
+        admission.check_text([num_chars], gateway.model.max_model_len, "messages")
+        chat_prompt = gateway.chat_prompt
+        prompt = await admission.run_tokenizer(client, deadline, chat_prompt, messages, tools)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
 
         def params(prompt_len: int):  # type: ignore[no-untyped-def]
@@ -106,6 +114,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         subs = gateway.sub_requests(rid, [prompt], params, salt)
         _check_tokens(admission, subs, param)
         builder = _builder(gateway, "chat", subs, body.n, body.num_logprobs, body)
+        if tools:  # tool_choice other than none: the answers are read for calls
+            builder.expect_tool_calls(ToolOutput(body.tool_plan(), tool_parser))
         admit = _Admit(admission, client, deadline)
         return await _respond(gateway, request, subs, builder, body.stream, arrival, admit)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from common.settings import parse_size, same_setting, setting
 from common.shared_settings import ClusterSettings, RegistrySettings, TracingSettings
 from router.disaggregation import DISAGGREGATION_POLICIES
+from router.tool_parsers import PARSER_NAMES
 from services.engine.config import EngineConfig
 
 POLICY_NAMES = ("round_robin", "least_loaded", "prefix_aware")
@@ -41,6 +42,13 @@ class RouterConfig:
         note="the workers' model: the router loads its tokenizer and chat template",
     )
     served_model_name: str | None = setting(None, "the model's id in the API (none: its name)")
+    generation_config: str = setting(
+        "auto",
+        "sampling defaults of requests that leave them out: auto (the model's "
+        "generation_config.json, if it has one), vllm (none: OpenAI's) or a directory holding "
+        "a generation_config.json",
+        metavar="auto|vllm|DIR",
+    )
     cache_dir: str | None = same_setting(EngineConfig, "cache_dir")
     api_key: str | None = setting(
         None, "require 'Authorization: Bearer KEY' on /v1/* (better given by env than by flag)"
@@ -155,6 +163,13 @@ class RouterConfig:
     trace_file: str | None = same_setting(TracingSettings, "trace_file")
     otlp_endpoint: str | None = same_setting(TracingSettings, "otlp_endpoint")
     log_requests: bool = setting(False, "log each prompt's text (prompts may be private)")
+    tool_call_parser: str = setting(
+        "auto",
+        "how a tool call the model writes as text is read (tool_choice auto): hermes "
+        "(<tool_call> JSON: Hermes, Qwen 2.x), llama3_json (Llama 3.1/3.2 JSON) or auto (the "
+        "one the chat template writes, else hermes)",
+        choices=PARSER_NAMES,
+    )
     log_format: str = setting(
         "text",
         "the access log's lines, one per request: text (for people) or json (for log pipelines)",

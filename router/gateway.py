@@ -19,6 +19,7 @@ from router.admission import Admission
 from router.clients import ClientKeys
 from router.config import RouterConfig
 from router.errors import APIError
+from router.generation_defaults import GenerationDefaults, load_generation_defaults
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.worker_calls import Chunk, SubRequest
@@ -42,6 +43,7 @@ class ModelInfo:
     tokenizer_hash: str
     max_model_len: int
     longest_token_bytes: int  # bounds a text's characters per token (router.admission)
+    generation: GenerationDefaults = GenerationDefaults()  # what requests leave out
 
     @classmethod
     def load(cls, config: RouterConfig) -> ModelInfo:
@@ -60,6 +62,7 @@ class ModelInfo:
             tokenizer_hash=tokenizer_hash(model_dir),
             max_model_len=max_len,
             longest_token_bytes=longest_token_bytes(tokenizer),
+            generation=load_generation_defaults(config.generation_config, model_dir),
         )
 
 
@@ -150,10 +153,13 @@ class Gateway:
             raise APIError(400, "the prompt is empty", param="messages" if chat else "prompt")
         return ids
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The conversation rendered by the model's chat template, tokenized."""
+    def chat_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The conversation (and the tools it may call) rendered by the model's chat template,
+        tokenized."""
         try:
-            text = self.model.tokenizer.apply_chat_template(messages)
+            text = self.model.tokenizer.apply_chat_template(messages, tools=tools)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # the template itself refused the conversation
@@ -174,7 +180,7 @@ class Gateway:
                 code="context_length_exceeded",
             )
         if requested is None:
-            return limit - prompt_len
+            return self.model.generation.cap_max_tokens(limit - prompt_len)
         if prompt_len + requested > limit:
             raise APIError(
                 400,
@@ -183,7 +189,7 @@ class Gateway:
                 param=param,
                 code="context_length_exceeded",
             )
-        return requested
+        return self.model.generation.cap_max_tokens(requested)
 
     def sub_requests(
         self,

@@ -192,6 +192,8 @@ async def serve(config: RouterConfig) -> None:
         info = {"role": "router", "url": url, "port": port, "pid": os.getpid(), "model": model.name}
         announce_ready(info)
         log.info("serving %s at %s", model.name, url)
+        if model.generation.as_dict():
+            log.info("the model's sampling defaults: %s", model.generation.as_dict())
     await task
 
 

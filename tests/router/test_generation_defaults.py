@@ -1,0 +1,110 @@
+"""The model's sampling defaults (``generation_config.json``) for requests that leave them out,
+as ``vllm serve`` applies them, and ``--generation-config vllm`` turning them off.
+
+The module is checked on its own (which file, which fields, what a request keeps), then over
+real HTTP: one colocated worker and two routers, one given a generation config of greedy
+sampling and a 6-token cap, one with ``--generation-config vllm``. A request without a
+temperature must then answer, token for token, what an explicit ``temperature: 0`` answers on
+the first, and sample (a different text, same seed) on the second.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from router.generation_defaults import GenerationDefaults, load_generation_defaults
+from router.protocol import ChatCompletionRequest
+from tests.router.cluster import MODEL, Cluster, Router
+
+CHAT = [{"role": "user", "content": "Write a short story about a dragon."}]
+CAP = 6  # the generation config's max_new_tokens
+
+
+def write_config(folder: Path, config: dict[str, object]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "generation_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": MODEL, "messages": CHAT, **fields})
+
+
+def test_auto_reads_the_model_directory_and_vllm_reads_nothing(tmp_path: Path) -> None:
+    model_dir = write_config(
+        tmp_path / "model",
+        {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "max_new_tokens": 99},
+    )
+    auto = load_generation_defaults("auto", model_dir)
+    assert auto == GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, max_tokens=99)
+    assert load_generation_defaults("vllm", model_dir) == GenerationDefaults()
+    # a model without the file (the default GGUF's conversion) has no defaults
+    assert load_generation_defaults("auto", tmp_path) == GenerationDefaults()
+    other = write_config(tmp_path / "other", {"repetition_penalty": 1.1, "min_p": 0.05})
+    assert load_generation_defaults(str(other), model_dir) == GenerationDefaults(
+        min_p=0.05, repetition_penalty=1.1
+    )
+
+
+def test_a_named_directory_without_the_file_or_a_bad_value_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no generation_config.json"):
+        load_generation_defaults(str(tmp_path), tmp_path)
+    write_config(tmp_path, {"temperature": -1})
+    with pytest.raises(ValueError, match="temperature"):
+        load_generation_defaults("auto", tmp_path)
+
+
+def test_defaults_fill_only_what_the_request_left_out() -> None:
+    defaults = GenerationDefaults(temperature=0.6, top_p=0.9, top_k=20, max_tokens=10)
+    filled = defaults.apply(chat(top_p=1.0, temperature=0))
+    assert (filled.temperature, filled.top_p, filled.top_k) == (0, 1.0, 20)  # 0 is a value
+    params = filled.sampling_params(max_tokens=5, logprobs=None)
+    assert (params.temperature, params.top_p, params.top_k) == (0, 1.0, 20)
+    assert defaults.apply(chat()).temperature == 0.6
+    assert GenerationDefaults().apply(chat()).temperature is None  # OpenAI's 1.0 follows
+    assert [defaults.cap_max_tokens(n) for n in (5, 10, 500)] == [5, 10, 10]
+
+
+@pytest.fixture(scope="module")
+def routers(redis_server, tmp_path_factory) -> Iterator[tuple[Router, Router]]:  # type: ignore[no-untyped-def]
+    folder = write_config(
+        tmp_path_factory.mktemp("genconfig"), {"temperature": 0.0, "max_new_tokens": CAP}
+    )
+    c = Cluster(redis_server.url)
+    try:
+        c.add_workers("colocated")
+        model_defaults = c.add_router("--generation-config", str(folder))
+        off = c.add_router("--generation-config", "vllm")
+        for router in (model_defaults, off):
+            router.wait_ready(num_workers=1)
+        yield model_defaults, off
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
+
+
+def test_a_request_without_temperature_gets_the_models(routers) -> None:  # type: ignore[no-untyped-def]
+    model_defaults, off = routers
+    client = model_defaults.client()
+    left_out = client.chat.completions.create(model=MODEL, messages=CHAT, seed=3)
+    greedy = client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=CAP
+    )
+    assert left_out.usage.completion_tokens == CAP  # max_new_tokens caps it
+    assert left_out.choices[0].finish_reason == "length"
+    assert left_out.choices[0].message.content == greedy.choices[0].message.content
+    # the cap holds for a request that asks for more, as in vLLM
+    longer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=50)
+    assert longer.usage.completion_tokens == CAP
+
+    sampled = off.client().chat.completions.create(
+        model=MODEL, messages=CHAT, seed=3, max_tokens=CAP
+    )
+    assert sampled.usage.completion_tokens == CAP
+    assert sampled.choices[0].message.content != greedy.choices[0].message.content
