@@ -25,7 +25,9 @@ from services.engine.block_pool import BlockPool, HostBlockPool
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.grammar import Grammars
 from services.engine.kv_handoff import KVHandoff, PullPlan
-from services.engine.model.loader import load_model
+from services.engine.model.llama import LlamaModel
+from services.engine.model.loader import load_config, load_model
+from services.engine.model.simulated import SimulatedModel
 from services.engine.model.source import resolve_model_dir
 from services.engine.model_runner import ModelRunner, attention_backend, kv_bytes_per_block
 from services.engine.output_processor import OutputProcessor, RequestState
@@ -35,6 +37,7 @@ from services.engine.request_builder import RequestBuilder
 from services.engine.sampler import Sampler, SampleResult
 from services.engine.scheduler import ScheduledBatch, Scheduler
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
+from services.engine.simulation_profile import SimulationProfile
 from services.engine.stats import EngineStats
 from services.engine.tokenizer import Tokenizer
 
@@ -44,21 +47,30 @@ __all__ = ["LLMEngine", "PullPlan"]
 class LLMEngine:
     """Continuous-batching inference over a paged KV cache."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, simulation: SimulationProfile | None = None):
+        """``simulation``: a simulated engine (``SimulatedModel``: the profile's step times,
+        deterministic tokens, its KV pool unless ``num_blocks`` is set); the weights are not
+        loaded, only the tokenizer and the model's config."""
         torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.cache_path)
         dtype = getattr(torch, config.dtype)
-        backend = attention_backend(config)  # on CPU, the compiled kernels (or the reference)
-        small_batch = getattr(backend, "linear_bf16", None)
-        self.model = load_model(
-            self.model_dir, dtype, config.device, config.cpu_matmul, small_batch
-        )
+        cache, sched = config.cache, config.scheduler
+        self.model: LlamaModel | SimulatedModel
+        if simulation is None:
+            backend = attention_backend(config)  # on CPU, the compiled kernels (or reference)
+            small_batch = getattr(backend, "linear_bf16", None)
+            self.model = load_model(
+                self.model_dir, dtype, config.device, config.cpu_matmul, small_batch
+            )
+            per_block = kv_bytes_per_block(self.model, cache.block_size, dtype)
+            num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // per_block)
+        else:
+            backend = "reference"  # never used: the simulated model computes no attention
+            self.model = SimulatedModel(load_config(self.model_dir), simulation)
+            num_blocks = cache.num_blocks or simulation.num_blocks(cache.block_size)
         mcfg = self.model.config
         self.tokenizer = Tokenizer(self.model_dir, mcfg.eos_token_ids)
-        cache, sched = config.cache, config.scheduler
-        per_block = kv_bytes_per_block(self.model, cache.block_size, dtype)
-        num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // per_block)
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # A sequence alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(

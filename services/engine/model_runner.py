@@ -23,11 +23,14 @@ import torch
 from kernels import Backend, cpu_ops
 from services.engine.config import EngineConfig
 from services.engine.model.llama import AttentionMetadata, LlamaModel
+from services.engine.model.simulated import SimulatedModel
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(
+    model: LlamaModel | SimulatedModel, block_size: int, dtype: torch.dtype
+) -> int:
     cfg = model.config
     itemsize = torch.empty(0, dtype=dtype).element_size()
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
@@ -68,11 +71,12 @@ def prompt_positions(seq: Sequence, start: int, num: int) -> range:
 
 class ModelRunner:
     """Runs ``model`` over the paged KV cache it owns, with the attention kernels ``attention``
-    (see ``attention_backend``; None: by device, which on CPU is the PyTorch reference)."""
+    (see ``attention_backend``; None: by device, which on CPU is the PyTorch reference).
+    ``model`` may be a ``SimulatedModel`` (a simulated worker): the same calls, a tiny cache."""
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: LlamaModel | SimulatedModel,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
