@@ -494,6 +494,7 @@ class Plan:
     shared_cores: bool = False  # other processes run on the workers' cores
     warnings: list[str] = field(default_factory=list)
     thresholds: DisaggregationThresholds | None = None  # for layouts with a prefill pool
+    # that meet the SLOs (None: there are none)
 
     def is_eligible(self, deployment: Deployment) -> bool:
         """With shared cores, only one-thread workers are recommended: a worker whose torch
@@ -516,11 +517,13 @@ class DisaggregationThresholds:
     local_prefill_tokens: int  # a local prefill this long stalls the decode batch <= one TPOT
     prefill_busy_tokens: int  # a prefill queue this long waits half the TTFT SLO
 
-    def router_flags(self) -> str:
-        return (
-            f"--local-prefill-tokens {self.local_prefill_tokens} "
-            f"--prefill-busy-tokens {self.prefill_busy_tokens}"
-        )
+    def router_flags(self) -> list[str]:
+        return [
+            "--local-prefill-tokens",
+            str(self.local_prefill_tokens),
+            "--prefill-busy-tokens",
+            str(self.prefill_busy_tokens),
+        ]
 
 
 THRESHOLD_STEP, THRESHOLD_MAX = 16, 8192  # tokens: the grid the thresholds are read on
@@ -530,8 +533,9 @@ def disaggregation_thresholds(
     profile: WorkerProfile, slo: SLO, threads: int = 1
 ) -> DisaggregationThresholds:
     """The longest prompt a decode worker may compute itself: its prefill stalls every running
-    stream, so it must fit in one TPOT SLO; and the prefill-pool queue beyond which a shorter
-    prompt is better computed locally: the queue a prefill worker clears in half the TTFT SLO."""
+    stream, so it must fit in one TPOT SLO (and, its own first token, in the TTFT SLO); and the
+    prefill-pool queue beyond which a shorter prompt is better computed locally: the queue a
+    prefill worker clears in half the TTFT SLO. 0 where not even the grid's first step fits."""
     curve = profile.for_threads(threads)
 
     def longest_within(seconds: float) -> int:
@@ -543,7 +547,20 @@ def disaggregation_thresholds(
             n += THRESHOLD_STEP
         return n
 
-    return DisaggregationThresholds(longest_within(slo.tpot_s), longest_within(slo.ttft_s / 2))
+    return DisaggregationThresholds(
+        longest_within(min(slo.tpot_s, slo.ttft_s)), longest_within(slo.ttft_s / 2)
+    )
+
+
+def thresholds_for(
+    profile: WorkerProfile, slo: SLO, candidates: list[Candidate]
+) -> DisaggregationThresholds | None:
+    """The router's thresholds, for layouts with a prefill pool; None when none of them meets
+    the SLOs at any rate (settings for a layout the model rejects are no recommendation)."""
+    meeting = [c for c in candidates if c.deployment.is_disaggregated and c.max_rate > 0]
+    if not meeting:
+        return None
+    return disaggregation_thresholds(profile, slo, meeting[0].deployment.threads)
 
 
 def make_plan(
@@ -558,8 +575,7 @@ def make_plan(
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
     candidates = [evaluate(profile, d, workload, slo, rate) for d in deployments(profile, cores)]
-    disaggregated = any(c.deployment.is_disaggregated for c in candidates)
-    thresholds = disaggregation_thresholds(profile, slo) if disaggregated else None
+    thresholds = thresholds_for(profile, slo, candidates)
     plan = Plan(workload, slo, cores, rate, candidates, [], shared_cores, thresholds=thresholds)
     plan.warnings.extend(beyond_the_profile(profile, workload, cores, candidates))
     if rate:

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
+import re
+import shlex
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
-from pdserve.cli import main
+from pdserve.cli import main, make_parser, parse, up_config_from_args
 from pdserve.plan import (
     SLO,
     Deployment,
     DisaggregationThresholds,
+    Plan,
     decode_context,
+    disaggregation_thresholds,
     evaluate,
     fixed_workload,
     make_plan,
@@ -24,9 +31,12 @@ from pdserve.plan import (
     preset_workload,
     size_pools,
 )
-from pdserve.plan_report import format_plan
+from pdserve.plan_report import format_plan, plan_commands
 from pdserve.profile import DecodePoint, ThreadProfile, WorkerProfile, isotonic
 from pdserve.queueing import MG1, compound_poisson_cdf
+from router.config import RouterConfig
+from tests.test_compose import environment as compose_environment
+from tests.test_compose import load_compose
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 CONTEXTS = (128, 512, 1024)
@@ -410,3 +420,188 @@ def test_the_plan_recommends_the_routers_disaggregation_thresholds() -> None:
     looser = make_plan(PROFILE, workload, SLO(2.0, 0.2), cores=2).thresholds
     assert looser == DisaggregationThresholds(80, 480)
     assert make_plan(PROFILE, workload, SLO(1.0, 0.1), cores=1).thresholds is None
+
+
+# -- the commands it ends with ------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED_PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
+
+
+def command_lines(text: str) -> list[str]:
+    """The indented lines after the first "To run": the commands, which end the report."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("To run"))
+    commands = [line.strip() for line in lines[start:] if line.startswith("  ")]
+    assert lines[-1].startswith("  "), "the report does not end with a command"
+    return commands
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    """k8s/base's objects by (kind, name)."""
+    objects = {}
+    for path in sorted((ROOT / "k8s" / "base").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and "metadata" in doc:
+                objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def router_reads(env: dict[str, str]) -> argparse.Namespace:
+    """`pdserve router`'s settings with ``env`` as its whole environment."""
+    return make_parser(env).parse_args(["router"])
+
+
+def check_commands(plan: Plan, text: str) -> None:
+    """Each printed command runs the layout it names, with the names its target knows."""
+    run = plan_commands(plan)
+    commands = command_lines(text)
+    up = shlex.split(next(c for c in commands if c.startswith("pdserve up")))
+    config = up_config_from_args(parse(up[1:], {}))  # the real parser and checks of `up`
+    d = run.layout.deployment
+    assert (config.num_prefill, config.num_decode, config.colocated) == (
+        d.num_prefill,
+        d.num_decode,
+        d.num_colocated,
+    )
+    assert config.threads_per_worker == d.threads
+    assert config.router.ttft_slo_seconds == pytest.approx(plan.slo.ttft_s)
+    assert config.router.itl_slo_seconds == pytest.approx(plan.slo.tpot_s)
+    t = plan.thresholds
+    if d.is_disaggregated:
+        assert t is not None
+        assert config.router.local_prefill_tokens == t.local_prefill_tokens
+        assert config.router.prefill_busy_tokens == t.prefill_busy_tokens
+    else:
+        assert "--local-prefill-tokens" not in up  # nothing to disaggregate
+
+    compose = [c for c in commands if "docker compose" in c]
+    if run.pools is None:
+        assert not compose and not any(c.startswith("kubectl") for c in commands)
+        return
+    pools = run.pools.deployment
+    words = shlex.split(compose[0])
+    assignments = dict(w.split("=", 1) for w in words[: words.index("docker")])
+    assert words[words.index("docker") :][:4] == ["docker", "compose", "up", "-d"]
+    scales = dict(w.split("=") for w in words[words.index("docker") + 4 :][1::2])
+    services = load_compose(assignments)["services"]
+    assert scales == {"prefill": str(pools.num_prefill), "decode": str(pools.num_decode)}
+    for name in scales:  # the services exist and get the threads
+        assert services[name]["command"] == [name]
+        assert compose_environment(services[name])["PDSERVE_THREADS"] == str(pools.threads)
+    router = router_reads(compose_environment(services["router"]))
+    if t is not None:
+        assert (router.local_prefill_tokens, router.prefill_busy_tokens) == (
+            t.local_prefill_tokens,
+            t.prefill_busy_tokens,
+        )
+    assert router.ttft_slo_seconds == pytest.approx(plan.slo.ttft_s)
+    # a plain `docker compose up` leaves the router's own defaults
+    plain = router_reads(compose_environment(load_compose({})["services"]["router"]))
+    for name in ("local_prefill_tokens", "prefill_busy_tokens", "ttft_slo_seconds"):
+        assert getattr(plain, name) == getattr(RouterConfig(), name), name
+
+    objects, config_data = k8s_objects(), {}
+    kubectl = [shlex.split(c) for c in commands if c.startswith("kubectl")]
+    for words in kubectl:
+        assert words[1:3] == ["-n", "pdserve"]
+        verb = words[3:5]
+        if verb == ["patch", "hpa"]:
+            hpa = objects[("HorizontalPodAutoscaler", words[5])]
+            assert hpa["spec"]["scaleTargetRef"]["name"] == words[5]
+            size = json.loads(words[words.index("-p") + 1])["spec"]
+            expected = pools.num_prefill if words[5] == "prefill" else pools.num_decode
+            assert size == {"minReplicas": expected, "maxReplicas": expected}
+        elif verb == ["set", "resources"]:
+            for target in words[5:-1]:
+                assert ("Deployment", target.split("/")[1]) in objects
+            assert words[-1] == f"--requests=cpu={pools.threads}"
+        elif verb == ["patch", "configmap"]:
+            assert ("ConfigMap", words[5]) in objects
+            config_data = json.loads(words[words.index("-p") + 1])["data"]
+        else:
+            assert words[3:] == ["rollout", "restart", "deployment/router"]
+            assert ("Deployment", "router") in objects
+    assert len(kubectl) == 5
+    router = router_reads({**objects[("ConfigMap", "pdserve-config")]["data"], **config_data})
+    assert router.itl_slo_seconds == pytest.approx(plan.slo.tpot_s)
+    if t is not None:
+        assert router.local_prefill_tokens == t.local_prefill_tokens
+
+
+def test_the_report_ends_with_the_commands_that_run_its_recommendation() -> None:
+    """A disaggregated best (4 cores, a tight TPOT), a colocated best with a disaggregated
+    layout for Compose and k8s, and a colocated best with none: every command parses with the
+    real `pdserve up` parser and names the services, autoscalers and ConfigMap that exist."""
+    disaggregated = make_plan(PROFILE, fixed_workload(512, 50), SLO(5.0, 0.1), cores=4)
+    assert disaggregated.best.deployment == Deployment(2, 2)
+    colocated = make_plan(PROFILE, preset_workload("chatbot", 0.25, 0.1), LOOSE, cores=2)
+    assert not colocated.best.deployment.is_disaggregated
+    assert plan_commands(colocated).pools is not None
+    alone = make_plan(PROFILE, fixed_workload(500, 1), SLO(2.0, 0.05), cores=1)
+    assert plan_commands(alone).pools is None
+    for plan in (disaggregated, colocated, alone):
+        check_commands(plan, format_plan(plan))
+    text = format_plan(disaggregated)
+    assert "  pdserve up --prefill 2 --decode 2 --threads 1 --local-prefill-tokens 32" in text
+    assert "--scale prefill=2 --scale decode=2" in text
+
+
+def test_chatbot_with_a_500_ms_ttft_recommends_nothing_the_model_rejects() -> None:
+    """The committed profile, the chatbot preset, TTFT 500 ms / TPOT 150 ms: one request alone
+    misses the TTFT SLO on a one-thread worker (its p90 prompt prefills in 588 ms), so 1P:1D
+    never meets it and its router thresholds (once --local-prefill-tokens 0) are no advice."""
+    profile = WorkerProfile.load(COMMITTED_PROFILE)
+    plan = make_plan(profile, preset_workload("chatbot"), SLO(0.5, 0.15), cores=2)
+    one_p_one_d = next(c for c in plan.candidates if c.deployment == Deployment(1, 1))
+    assert one_p_one_d.max_rate == 0 and "TTFT p90 588 ms > 500" in one_p_one_d.limit
+    assert plan.thresholds is None
+    text = format_plan(plan)
+    assert "--local-prefill-tokens" not in text and "--prefill-busy-tokens" not in text
+    assert "No layout with a prefill pool meets the SLOs" in text
+    check_commands(plan, text)
+    assert plan.best.max_rate > 0  # 1x colocated, 2 threads: under 0.29 req/s
+    best = evaluate(profile, plan.best.deployment, preset_workload("chatbot"), plan.slo)
+    assert not predict(profile, best.deployment, plan.workload, best.max_rate, plan.slo).miss(
+        plan.slo
+    )
+
+    # on one core nothing meets it: said plainly, and the closest layout runs with its miss named
+    one = make_plan(profile, preset_workload("chatbot"), SLO(0.5, 0.15), cores=1)
+    text = format_plan(one)
+    assert "No deployment of 1 core(s) meets the p90 SLOs. The closest is 1x colocated" in text
+    assert "To run the closest, 1x colocated (it misses the SLOs: unloaded: TTFT p90" in text
+    check_commands(one, text)
+
+
+@pytest.mark.parametrize("slo", [SLO(1.0, 0.1), SLO(2.0, 0.2), SLO(0.3, 0.5), SLO(5.0, 0.03)])
+def test_every_recommended_threshold_passes_the_checks_it_was_read_from(slo: SLO) -> None:
+    """A prompt of --local-prefill-tokens prefills within one TPOT SLO and the TTFT SLO; a
+    prefill queue of --prefill-busy-tokens clears within half the TTFT SLO; each the longest on
+    the 16-token grid that does (0: not even 16 tokens do)."""
+    one = PROFILE.for_threads(1)
+    t = disaggregation_thresholds(PROFILE, slo)
+    for value, limit in (
+        (t.local_prefill_tokens, min(slo.tpot_s, slo.ttft_s)),
+        (t.prefill_busy_tokens, slo.ttft_s / 2),
+    ):
+        assert value == 0 or one.prefill_time(value) <= limit
+        assert one.prefill_time(value + 16) > limit
+
+
+def test_the_legend_names_exactly_the_printed_columns(tmp_path, capsys) -> None:
+    path = tmp_path / "profile.json"
+    PROFILE.save(path)
+    for extra in ((), ("--rate", "2")):
+        assert main(plan_args(str(path), *extra)) == 0
+        lines = capsys.readouterr().out.splitlines()
+        header = next(line for line in lines if line.startswith("deployment"))
+        legend = lines[lines.index(header) + len(PROFILE.threads) + 2]
+        assert legend.startswith("(") and legend.endswith(")")
+        named = [
+            title
+            for part in legend[1:-1].split("; ")
+            for title in part.split(": ", 1)[0].split(", ")
+        ]
+        assert named == re.split(r"\s{2,}", header.strip()), (header, legend)
+        assert ("batch" in named) == bool(extra)
