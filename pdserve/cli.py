@@ -185,21 +185,36 @@ def cmd_router_keeper(args: argparse.Namespace) -> int:
 
 
 def add_up_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
-    """`pdserve up`'s own settings, then the router's and the engine's it hands on."""
+    """`pdserve up`'s (and `serve`'s) own settings, then the router's and the engine's it hands
+    on, then vllm serve's flags that have no meaning here (refused, each with its reason)."""
     from pdserve.up import ROUTER_SKIP, UpConfig
+    from pdserve.vllm_flags import add_refused_flags
     from router.config import RouterConfig
 
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        metavar="MODEL",
+        help="the model, as --model: a Hugging Face directory or a .gguf file, a local path "
+        "(default: SmolLM2-135M-Instruct)",
+    )
     add_settings(parser.add_argument_group("up"), UpConfig, env, nested=False)
     add_settings(
         parser.add_argument_group("router"), RouterConfig, env, prefix="router.", skip=ROUTER_SKIP
     )
     engine = parser.add_argument_group("engine (every worker)")
     add_settings(engine, EngineConfig, env, prefix="engine.", skip=("num_threads",))
+    add_refused_flags(parser)
 
 
 def up_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     from pdserve.up import UpConfig
 
+    positional, flag = getattr(args, "model_path", None), getattr(args, "engine.model")
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"two models: {positional} and --model {flag}; give one")
+    if positional is not None:
+        setattr(args, "engine.model", positional)
     return build(UpConfig, args)
 
 
@@ -307,7 +322,9 @@ def make_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        parser = sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+        parser.set_defaults(parser=parser)  # an unknown flag is refused with this usage
+        return parser
 
     gen = command("generate", "complete prompts offline and print the results")
     gen.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin)")
@@ -344,6 +361,14 @@ def make_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     add_up_args(up, env)
     up.set_defaults(func=cmd_up)
 
+    serve = command(
+        "serve",
+        "`vllm serve MODEL` for one machine: what `up` runs (Redis, a prefill and a decode "
+        "worker, the router), with the flags a vllm serve user types (see docs/vllm-serve.md)",
+    )
+    add_up_args(serve, env)
+    serve.set_defaults(func=cmd_up)
+
     plan = command("plan", "recommend a deployment from a measured worker profile")
     add_plan_args(plan, env)
     plan.set_defaults(func=cmd_plan)
@@ -351,15 +376,19 @@ def make_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
 
 
 def parse(argv: Sequence[str], env: Mapping[str, str]) -> argparse.Namespace:
-    """``argv`` parsed as the ``pdserve`` command parses it (tests use this)."""
-    return make_parser(env).parse_args(argv)
+    """``argv`` parsed as the ``pdserve`` command parses it (tests use this). An unknown flag
+    exits with its command's usage, not the top-level one."""
+    args, unknown = make_parser(env).parse_known_args(argv)
+    if unknown:
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent_if_asked()  # a child of `pdserve up` or a test: never outlive it
     try:
         argv = sys.argv[1:] if argv is None else list(argv)
-        args = make_parser(os.environ).parse_args(argv)
+        args = parse(argv, os.environ)
         args.argv = argv  # router-keeper hands its flags on to its router
         return int(args.func(args))
     except ValueError as exc:  # bad input: a clear message, not a traceback

@@ -1,8 +1,8 @@
 """`pdserve up`: the whole system on one machine, the embedded default that `make up` runs.
 
-Starts a real Redis, N prefill + M decode workers (or K colocated ones) and the OpenAI-compatible
-router on 127.0.0.1, waits until the router's ``/ready`` answers 200, prints the URL and a curl
-example, then watches::
+Starts a real Redis, N prefill + M decode workers (or K colocated ones) on 127.0.0.1 and the
+OpenAI-compatible router (on 127.0.0.1 too, unless ``--host``), waits until the router's
+``/ready`` answers 200, prints the URL and a curl example, then watches::
 
     start: redis -> workers and router (spawned together, so model loads overlap)
            -> every ready line -> router /ready == 200 -> summary
@@ -118,6 +118,11 @@ class UpConfig:
     colocated: int = setting(
         0, "colocated workers instead of prefill + decode (the flag alone: 1)", const=1
     )
+    host: str = setting(
+        "127.0.0.1",
+        "the router's bind address (0.0.0.0: every interface); Redis and the workers stay on "
+        "127.0.0.1",
+    )
     port: int = setting(8000, "the router's HTTP port (0: any free port)")
     transport: str = setting("tcp", "the workers' KV transport", choices=TRANSPORTS)
     threads: int | None = setting(
@@ -194,7 +199,7 @@ class UpConfig:
         """Command-line flags of the router (the API key goes by environment, not in `ps`);
         ``port`` replaces ``--port`` (a restarted router keeps the port it had)."""
         port = self.port if port is None else port
-        args = ["--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url]
+        args = ["--host", self.host, "--port", str(port), "--redis-url", redis_url]
         router = replace(self.router, **{n: getattr(self.engine, n) for n in ROUTER_FROM_ENGINE})
         args += to_flags(router, skip=(*ROUTER_OWN, "api_key"))
         return args + self._trace_args()
@@ -219,13 +224,15 @@ def _exit_reason(code: int | None) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _listen(port: int) -> socket.socket:
+def _listen(host: str, port: int) -> socket.socket:
     """The router's listening socket, bound here at once (before any model loads) and handed
     to every router started (`pdserve.handover`)."""
     try:
-        return listen("127.0.0.1", port)
+        return listen(host, port)
     except OSError as exc:
-        raise UpError(f"port {port} is not free ({exc.strerror}): use --port (0: any)") from exc
+        raise UpError(
+            f"cannot listen on {host} port {port} ({exc.strerror}): use --host, --port (0: any)"
+        ) from exc
 
 
 def _say(message: str) -> None:
@@ -438,7 +445,8 @@ class UpSystem:
 
         Raises UpError when a component dies or the whole start takes over ``ready_timeout``."""
         deadline = time.monotonic() + self.config.ready_timeout
-        self.listener = _listen(self.config.port)  # before the model loads, not after
+        # before the model loads, not after
+        self.listener = _listen(self.config.host, self.config.port)
         if not self.config.verbose:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = open(self.log_path, "a", buffering=1)  # noqa: SIM115 (closed in stop)

@@ -42,6 +42,15 @@ class RouterConfig:
         note="the workers' model: the router loads its tokenizer and chat template",
     )
     served_model_name: str | None = setting(None, "the model's id in the API (none: its name)")
+    tokenizer: str | None = same_setting(
+        EngineConfig, "tokenizer", note="the router tokenizes and templates prompts with it"
+    )
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template, as a file or the template itself, instead of the model's "
+        "(none: the model's)",
+        metavar="FILE|TEMPLATE",
+    )
     generation_config: str = setting(
         "auto",
         "sampling defaults of requests that leave them out: auto (the model's "

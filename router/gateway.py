@@ -16,6 +16,7 @@ from typing import Any
 
 from common.sampling_params import SamplingParams
 from router.admission import Admission
+from router.chat_template import load_chat_template
 from router.clients import ClientKeys
 from router.config import RouterConfig
 from router.errors import APIError
@@ -54,12 +55,15 @@ class ModelInfo:
             hf_config.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN)
         )
         model_id = model_name(config.model)
-        tokenizer = Tokenizer(model_dir)
+        tokenizer_dir = Path(config.tokenizer).expanduser() if config.tokenizer else model_dir
+        tokenizer = Tokenizer(tokenizer_dir)
+        if config.chat_template:
+            tokenizer.chat_template = load_chat_template(config.chat_template)
         return cls(
             name=config.served_model_name or model_id,
             model_id=model_id,
             tokenizer=tokenizer,
-            tokenizer_hash=tokenizer_hash(model_dir),
+            tokenizer_hash=tokenizer_hash(tokenizer_dir),
             max_model_len=max_len,
             longest_token_bytes=longest_token_bytes(tokenizer),
             generation=load_generation_defaults(config.generation_config, model_dir),

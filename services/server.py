@@ -145,7 +145,7 @@ def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fin
     return Fingerprint(
         model_id=model_name(model),
         weights_hash=weights_hash[:16],
-        tokenizer_hash=tokenizer_hash(model_dir),
+        tokenizer_hash=tokenizer_hash(engine.tokenizer.path.parent),
         block_size=block_size,
         kv_dtype=engine.config.dtype,
         num_layers=cfg.num_layers,

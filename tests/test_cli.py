@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,62 @@ def test_plan_and_generate_flags_come_from_their_configs():
     assert build(GenerateConfig, parse(["generate"], env)) == GenerateConfig(
         max_tokens=5, stop=("x",)
     )
+
+
+VLLM_SERVE = [
+    "/models/m",  # vllm serve's positional model
+    "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "chat",
+    "--api-key", "sk-1", "--dtype", "bfloat16", "--max-model-len", "512",
+    "--chat-template", "t.jinja", "--tokenizer", "/tok", "--generation-config", "vllm",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("command", ["serve", "up"])
+def test_serve_and_up_take_what_a_vllm_serve_user_types(command):
+    from pdserve.cli import parse, up_config_from_args
+
+    config = up_config_from_args(parse([command, *VLLM_SERVE], {}))
+    assert (config.host, config.port, config.router.api_key) == ("0.0.0.0", 9000, "sk-1")
+    assert (config.engine.model, config.engine.dtype) == ("/models/m", "bfloat16")
+    assert str(config.engine.tokenizer_dir(Path("/models/m"))) == "/tok"  # the workers'
+    router = config.router_args("redis://x", 9000)
+    workers = config.worker_args("redis://x")
+    pairs = lambda args: {(a, b) for a, b in zip(args, args[1:])}  # noqa: E731
+    assert {
+        ("--host", "0.0.0.0"),
+        ("--model", "/models/m"),
+        ("--served-model-name", "chat"),
+        ("--max-model-len", "512"),
+        ("--chat-template", "t.jinja"),
+        ("--tokenizer", "/tok"),
+        ("--generation-config", "vllm"),
+    } <= pairs(router)
+    assert "sk-1" not in router  # the key goes by environment
+    assert {("--host", "127.0.0.1"), ("--model", "/models/m"), ("--dtype", "bfloat16")} <= pairs(
+        workers
+    )
+    assert {("--tokenizer", "/tok"), ("--max-model-len", "512")} <= pairs(workers)
+    assert up_config_from_args(parse([command, "--model", "m", "m"], {})).engine.model == "m"
+    with pytest.raises(ValueError, match="two models: a and --model b"):
+        up_config_from_args(parse([command, "a", "--model", "b"], {}))
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["serve", "m", "--tensor-parallel-size", "2"], "--tensor-parallel-size (a vllm serve"),
+        (["up", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory SIZE or --num-blocks N"),
+        (["serve", "--trust-remote-code", "m"], "no model code is loaded"),
+        (["serve", "--enable-prefix-caching"], "here it is --prefix-caching"),
+        (["up", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_flags_without_a_meaning_here_are_refused_with_the_commands_usage(argv, why, capsys):
+    from pdserve.cli import parse
+
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv, {})
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith(f"usage: pdserve {argv[0]} "), err  # not the top-level usage
+    assert f"pdserve {argv[0]}: error: " in err and why in err, err

@@ -20,6 +20,7 @@ COMMANDS = [
     "router",
     "router-keeper",
     "up",
+    "serve",
     "plan",
 ]
 MODULE_PATH = re.compile(r"\b(common|router|services|kvtransfer|loadtest|pdserve)\.[a-z_]+\b")

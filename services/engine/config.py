@@ -137,6 +137,9 @@ class EngineConfig:
     model: str | None = setting(
         None, "Hugging Face directory or GGUF file (none: SmolLM2-135M-Instruct)"
     )
+    tokenizer: str | None = setting(
+        None, "a directory holding the tokenizer.json to use (none: the model's own)"
+    )
     dtype: str = setting("float32", "weights, activations and KV cache", choices=DTYPES)
     device: str = setting("cpu", "torch device of the model and KV cache: cpu, cuda, cuda:1 ...")
     num_threads: int = setting(
@@ -172,6 +175,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def tokenizer_dir(self, model_dir: Path) -> Path:
+        """Where the tokenizer is: --tokenizer, else the model's directory."""
+        return Path(self.tokenizer).expanduser() if self.tokenizer else model_dir
 
     @property
     def cache_path(self) -> Path:

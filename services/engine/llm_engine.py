@@ -70,7 +70,7 @@ class LLMEngine:
             self.model = SimulatedModel(load_config(self.model_dir), simulation)
             num_blocks = cache.num_blocks or simulation.num_blocks(cache.block_size)
         mcfg = self.model.config
-        self.tokenizer = Tokenizer(self.model_dir, mcfg.eos_token_ids)
+        self.tokenizer = Tokenizer(config.tokenizer_dir(self.model_dir), mcfg.eos_token_ids)
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # A sequence alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(

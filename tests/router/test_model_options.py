@@ -1,23 +1,29 @@
-"""The model's sampling defaults (``generation_config.json``) for requests that leave them out,
-as ``vllm serve`` applies them, and ``--generation-config vllm`` turning them off.
+"""The model options a `vllm serve` user gives the router, over real HTTP.
 
-The module is checked on its own (which file, which fields, what a request keeps), then over
-real HTTP: one colocated worker and two routers, one given a generation config of greedy
-sampling and a 6-token cap, one with ``--generation-config vllm``. A request without a
-temperature must then answer, token for token, what an explicit ``temperature: 0`` answers on
-the first, and sample (a different text, same seed) on the second.
+``generation_config.json``: the model's sampling defaults for requests that leave them out, as
+``vllm serve`` applies them, and ``--generation-config vllm`` turning them off. The module is
+checked on its own (which file, which fields, what a request keeps), then live: one colocated
+worker and routers given a generation config of greedy sampling and a 6-token cap, or
+``--generation-config vllm``. A request without a temperature must then answer, token for token,
+what an explicit ``temperature: 0`` answers on the first, and sample (a different text, same
+seed) on the second. ``--chat-template`` (a template given as text) and ``--tokenizer`` (a
+directory with the model's tokenizer) are served by two more routers on the same worker.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from router.generation_defaults import GenerationDefaults, load_generation_defaults
 from router.protocol import ChatCompletionRequest
+from services.engine.config import EngineConfig
+from services.engine.model.source import resolve_model_dir
 from tests.router.cluster import MODEL, Cluster, Router
 
 CHAT = [{"role": "user", "content": "Write a short story about a dragon."}]
@@ -69,19 +75,39 @@ def test_defaults_fill_only_what_the_request_left_out() -> None:
     assert [defaults.cap_max_tokens(n) for n in (5, 10, 500)] == [5, 10, 10]
 
 
+TEMPLATE = "{% for m in messages %}Q: {{ m['content'] }}\nA:{% endfor %}"
+
+
+@dataclass
+class Routers:
+    model_defaults: Router  # --generation-config DIR: greedy, CAP tokens at most
+    off: Router  # --generation-config vllm
+    template: Router  # --chat-template TEMPLATE
+    tokenizer: Router  # --tokenizer DIR (a copy of the model's tokenizer files)
+
+
 @pytest.fixture(scope="module")
-def routers(redis_server, tmp_path_factory) -> Iterator[tuple[Router, Router]]:  # type: ignore[no-untyped-def]
+def routers(redis_server, tmp_path_factory) -> Iterator[Routers]:  # type: ignore[no-untyped-def]
     folder = write_config(
         tmp_path_factory.mktemp("genconfig"), {"temperature": 0.0, "max_new_tokens": CAP}
     )
+    model_dir = resolve_model_dir(None, EngineConfig().cache_path)
+    tokenizer = tmp_path_factory.mktemp("tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (model_dir / name).exists():
+            shutil.copy(model_dir / name, tokenizer / name)
     c = Cluster(redis_server.url)
     try:
         c.add_workers("colocated")
-        model_defaults = c.add_router("--generation-config", str(folder))
-        off = c.add_router("--generation-config", "vllm")
-        for router in (model_defaults, off):
+        found = Routers(
+            model_defaults=c.add_router("--generation-config", str(folder)),
+            off=c.add_router("--generation-config", "vllm"),
+            template=c.add_router("--chat-template", TEMPLATE),
+            tokenizer=c.add_router("--tokenizer", str(tokenizer)),
+        )
+        for router in (found.model_defaults, found.off, found.template, found.tokenizer):
             router.wait_ready(num_workers=1)
-        yield model_defaults, off
+        yield found
     except BaseException:
         c.dump()
         raise
@@ -89,9 +115,8 @@ def routers(redis_server, tmp_path_factory) -> Iterator[tuple[Router, Router]]: 
         c.stop()
 
 
-def test_a_request_without_temperature_gets_the_models(routers) -> None:  # type: ignore[no-untyped-def]
-    model_defaults, off = routers
-    client = model_defaults.client()
+def test_a_request_without_temperature_gets_the_models(routers: Routers) -> None:
+    client = routers.model_defaults.client()
     left_out = client.chat.completions.create(model=MODEL, messages=CHAT, seed=3)
     greedy = client.chat.completions.create(
         model=MODEL, messages=CHAT, temperature=0, max_tokens=CAP
@@ -103,8 +128,28 @@ def test_a_request_without_temperature_gets_the_models(routers) -> None:  # type
     longer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=50)
     assert longer.usage.completion_tokens == CAP
 
-    sampled = off.client().chat.completions.create(
+    sampled = routers.off.client().chat.completions.create(
         model=MODEL, messages=CHAT, seed=3, max_tokens=CAP
     )
     assert sampled.usage.completion_tokens == CAP
     assert sampled.choices[0].message.content != greedy.choices[0].message.content
+
+
+def test_a_chat_template_given_as_text_renders_the_prompt(routers: Routers) -> None:
+    client = routers.template.client()
+    question = "What is the capital of France?"
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=8
+    )
+    plain = client.completions.create(
+        model=MODEL, prompt=f"Q: {question}\nA:", temperature=0, max_tokens=8
+    )
+    assert chat.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert chat.choices[0].message.content == plain.choices[0].text
+
+
+def test_a_tokenizer_directory_of_the_same_tokenizer_serves(routers: Routers) -> None:
+    reply = routers.tokenizer.client().chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=4
+    )
+    assert reply.usage.completion_tokens == 4
