@@ -53,9 +53,9 @@ class RouterConfig:
     )
     generation_config: str = setting(
         "auto",
-        "sampling defaults of requests that leave them out: auto (the model's "
-        "generation_config.json, if it has one), vllm (none: OpenAI's) or a directory holding "
-        "a generation_config.json",
+        "where the sampling values of requests that leave them out come from: auto (the "
+        "model's generation_config.json, if it has one), vllm (none: OpenAI's) or a directory "
+        "holding a generation_config.json",
         metavar="auto|vllm|DIR",
     )
     cache_dir: str | None = same_setting(EngineConfig, "cache_dir")
