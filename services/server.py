@@ -1,7 +1,8 @@
 """One worker process: engine + gRPC services + KV transport + registry + metrics.
 
-Lifecycle: load the model -> listen (gRPC, KV transport, /metrics) -> register in Redis and
-heartbeat -> serve -> SIGTERM/SIGINT: mark draining (health NOT_SERVING, registry record
+Lifecycle: load the model (``--simulate``: only its tokenizer and config, see
+``services/worker/simulation.py``) -> listen (gRPC, KV transport, /metrics) -> register in Redis
+and heartbeat -> serve -> SIGTERM/SIGINT: mark draining (health NOT_SERVING, registry record
 ``draining``: routers stop picking it), refuse new requests, wait for in-flight requests and the
 KV pins handed out (up to ``drain_seconds``), deregister, stop. Deregistering last matters: a
 decode worker accepts a KV handle only from a registered (draining included) prefill worker, so a
@@ -55,6 +56,7 @@ from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
 from services.worker.handles import HandleChecker
 from services.worker.metrics import WorkerMetrics
+from services.worker.simulation import load_profile, simulated_link_client
 
 log = logging.getLogger(__name__)
 
@@ -157,8 +159,12 @@ def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fin
 class Worker:
     """Builds and runs everything a worker process serves."""
 
-    def __init__(self, config: WorkerConfig):
+    def __init__(self, config: WorkerConfig, standalone: bool = True):
+        """``standalone``: this worker is the process (it takes SIGTERM/SIGINT and prints the
+        ready line); a process hosting several (simulated) workers passes False and does both
+        for all of them."""
         self.config = config
+        self.standalone = standalone
         self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
         self.shm_path: str | None = None
         engine_config = config.engine
@@ -166,7 +172,8 @@ class Worker:
             self.shm_path = f"/dev/shm/pdserve-kv-{self.worker_id}"
             cache = dataclasses.replace(engine_config.cache, shared_memory_path=self.shm_path)
             engine_config = dataclasses.replace(engine_config, cache=cache)
-        self.engine = LLMEngine(engine_config)
+        self.simulation = load_profile(config.simulate) if config.simulate else None
+        self.engine = LLMEngine(engine_config, self.simulation)
         self.async_engine = AsyncEngine(self.engine)
         self.metrics = WorkerMetrics(config.role, self.async_engine.stats)
         self.transfer_metrics = kvtransfer.TransferMetrics(self.metrics.registry)
@@ -196,6 +203,7 @@ class Worker:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[bool]] = set()
         self._stop = asyncio.Event()
+        self.ready_info: dict[str, Any] | None = None  # the ready line's, once serving
         self._public_host = config.host  # what peers dial; set by run()
 
     async def run(self) -> None:
@@ -221,18 +229,20 @@ class Worker:
             metrics_port = self.metrics.serve(cfg.host, cfg.metrics_port)
         kv_address = self._kv_address
         await self._register(grpc_address, kv_address)
-        self._install_signal_handlers()
-        announce_ready(
-            {
-                "role": cfg.role,
-                "worker_id": self.worker_id,
-                "pid": os.getpid(),
-                "grpc_address": grpc_address,
-                "kv_address": kv_address,
-                "metrics_port": metrics_port,
-                "num_blocks": self.engine.num_blocks,
-            }
-        )
+        self.ready_info = {
+            "role": cfg.role,
+            "worker_id": self.worker_id,
+            "pid": os.getpid(),
+            "grpc_address": grpc_address,
+            "kv_address": kv_address,
+            "metrics_port": metrics_port,
+            "num_blocks": self.engine.num_blocks,
+        }
+        if self.simulation is not None:
+            self.ready_info["simulate"] = self.simulation.name
+        if self.standalone:
+            self._install_signal_handlers()
+            announce_ready(self.ready_info)
         await self._stop.wait()
         await self._drain(health)
         await server.stop(grace=1.0)
@@ -279,7 +289,15 @@ class Worker:
             pb_grpc.add_PrefillServiceServicer_to_server(self.prefill, server)
             self._tasks.append(asyncio.create_task(self.prefill.reap_expired_leases()))
         if cfg.role in ("decode", "colocated"):
-            client = kvtransfer.make_client(cfg.kv_transport, token, metrics=self.transfer_metrics)
+            if self.simulation is not None:  # tcp, each pull as slow as the profile's link
+                block_size = self.layout.block_size
+                client = simulated_link_client(
+                    self.simulation, block_size, token, self.transfer_metrics
+                )
+            else:
+                client = kvtransfer.make_client(
+                    cfg.kv_transport, token, metrics=self.transfer_metrics
+                )
             if self.registry_config is not None:  # KV handles must name registered workers
                 self.view = RegistryView(self.registry_config)
                 await self.view.refresh()
@@ -339,6 +357,10 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             await self.registration.publish_prefix_hashes(self.engine.cached_block_hashes())
+
+    def stop(self) -> None:
+        """Begin the drain (what SIGTERM does to a standalone worker)."""
+        self._stop.set()
 
     def _install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

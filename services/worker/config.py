@@ -95,6 +95,12 @@ class WorkerConfig:
     kv_faults: str | None = setting(
         None, "testing only: fail served KV pulls on purpose, e.g. 'drop=0.1,corrupt=0.1'"
     )
+    simulate: str | None = setting(
+        None,
+        "run a simulated worker: no weights, the step and KV-transfer times of this profile (a "
+        "JSON file, or the name of one in benchmarks/profiles, e.g. sim-h100-llama3-8b) and "
+        "deterministic tokens; KV moves over tcp (docs/simulation.md)",
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -105,6 +111,8 @@ class WorkerConfig:
             )
         if self.lease_seconds <= 0:
             raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+        if self.simulate is not None and self.kv_transport != "tcp":
+            raise ValueError("a simulated worker moves its KV over tcp (--kv-transport tcp)")
 
     @property
     def public_host(self) -> str:
