@@ -33,12 +33,8 @@ REFUSED: dict[tuple[str, ...], str] = {
     ),
     ("--swap-space",): "swap space is counted in blocks: --num-swap-blocks N",
     ("--cpu-offload-gb",): "the weights stay on --device",
-    ("--enable-prefix-caching",): (
-        "here it is --prefix-caching / --no-prefix-caching (on by default)"
-    ),
-    ("--enable-chunked-prefill",): (
-        "here it is --chunked-prefill / --no-chunked-prefill (on by default)"
-    ),
+    ("--enable-prefix-caching",): ("here it is the --prefix-caching switch, on by default"),
+    ("--enable-chunked-prefill",): ("here it is the --chunked-prefill switch, on by default"),
 }
 
 

@@ -285,7 +285,7 @@ def test_serve_and_up_take_what_a_vllm_serve_user_types(command):
         (["serve", "m", "--tensor-parallel-size", "2"], "--tensor-parallel-size (a vllm serve"),
         (["up", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory SIZE or --num-blocks N"),
         (["serve", "--trust-remote-code", "m"], "no model code is loaded"),
-        (["serve", "--enable-prefix-caching"], "here it is --prefix-caching"),
+        (["serve", "--enable-prefix-caching"], "here it is the --prefix-caching switch"),
         (["up", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
