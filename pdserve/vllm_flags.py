@@ -33,6 +33,14 @@ REFUSED: dict[tuple[str, ...], str] = {
     ),
     ("--swap-space",): "swap space is counted in blocks: --num-swap-blocks N",
     ("--cpu-offload-gb",): "the weights stay on --device",
+    ("--kv-transfer-config",): (
+        "prefill/decode disaggregation is built in: --prefill N --decode M --transport "
+        "{tcp,shm,torch,ucx}"
+    ),
+    ("--enforce-eager",): "the model always runs eagerly here: leave the flag out",
+    ("--ssl-keyfile", "--ssl-certfile"): (
+        "the router speaks plain HTTP: terminate TLS in front of it (a reverse proxy, an ingress)"
+    ),
     ("--enable-prefix-caching",): ("here it is the --prefix-caching switch, on by default"),
     ("--enable-chunked-prefill",): ("here it is the --chunked-prefill switch, on by default"),
 }
