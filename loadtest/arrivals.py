@@ -113,6 +113,29 @@ async def arrivals(
         yield index, offset
 
 
+def scheduled_rate_note(schedule: Schedule, scheduled: float, num_sent: int) -> str:
+    """Why a run's scheduled rate (that of the gaps it drew) differs from the configured one,
+    in one line; '' when it does not (within 1%). A ramp's arrivals average its rates; random
+    gaps average ``1 / rate`` only in the long run: the rate of ``n - 1`` gamma gaps of shape
+    ``b`` has a relative spread (one sd) of about ``1 / sqrt(b (n - 1))``."""
+    if math.isinf(scheduled) or num_sent < 2:
+        return ""
+    if schedule.ramped:
+        return (
+            f"a ramp from {schedule.ramp_start_rate:g} to {schedule.ramp_end_rate:g} req/s: "
+            f"its {num_sent} arrivals average the rates between"
+        )
+    if math.isinf(schedule.rate) or abs(scheduled / schedule.rate - 1) <= 0.01:
+        return ""
+    b = schedule.burstiness
+    spread = 1 / math.sqrt(b * (num_sent - 1))
+    kind = "Poisson" if b == 1 else f"gamma (burstiness {b:g})"
+    return (
+        f"{num_sent} {kind} arrivals: random gaps give a run this short a rate of its own, "
+        f"within ±{spread:.0%} of {schedule.rate:g} two times in three; more prompts narrow it"
+    )
+
+
 def parse_rates(text: str) -> list[float]:
     """``"1,2,4,inf"`` -> [1.0, 2.0, 4.0, inf] (for ``--sweep-rates``)."""
     try:

@@ -20,7 +20,14 @@ from loadtest import __version__
 from loadtest.arrivals import Schedule, parse_rates
 from loadtest.client import CHAT, COMPLETIONS, ClientConfig, RunOutput, run
 from loadtest.control import Stop, sigint_stops
-from loadtest.datasets import DATASETS, DatasetConfig, length_ranges, load, token_counter
+from loadtest.datasets import (
+    DATASETS,
+    DatasetConfig,
+    describe,
+    length_ranges,
+    load,
+    token_counter,
+)
 from loadtest.metrics import METRICS, Metrics, compute, parse_goodput
 from loadtest.output import Outputs
 from loadtest.report import compare, load_json, summary_table
@@ -166,9 +173,8 @@ def parser() -> argparse.ArgumentParser:
 
 def _settings(args: argparse.Namespace, dataset: DatasetConfig, slos: dict) -> dict[str, Any]:
     """What the saved results' ``config`` records beyond the endpoint: workload, seed, SLOs."""
-    keep = ("name", "path", "input_len", "output_len", "range_ratio", "prefix_len")
     return {
-        "dataset": {k: getattr(dataset, k) for k in keep} | {"num_prompts": args.num_prompts},
+        "dataset": describe(dataset) | {"num_prompts": args.num_prompts},
         "seed": args.seed,
         "slos_ms": slos,
         "duration_limit_s": args.duration,

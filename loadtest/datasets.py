@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -147,6 +148,42 @@ def length_ranges(cfg: DatasetConfig) -> dict[str, tuple[tuple[int, int], tuple[
             )
         }
     return {}
+
+
+def describe(cfg: DatasetConfig) -> dict[str, Any]:
+    """What a saved result records of the workload: the settings that shaped it and the length
+    ranges drawn from, and nothing else (a preset's ranges, not the random dataset's defaults,
+    which a preset never reads). Lengths are integers uniform over each range, both ends in."""
+    out: dict[str, Any] = {"name": cfg.name}
+    if cfg.name in ("random", "prefix", "multiturn"):
+        out |= {"input_len": cfg.input_len, "output_len": cfg.output_len}
+        out |= {"range_ratio": cfg.range_ratio}
+    if cfg.name in ("random", "prefix"):
+        out["prefix_len"] = cfg.prefix_len
+    if cfg.name == "prefix":
+        out["num_prefixes"] = cfg.num_prefixes
+    if cfg.name == "multiturn":
+        out["num_turns"] = cfg.num_turns  # each turn's lengths drawn as random's
+    if cfg.name in ("sharegpt", "custom"):
+        out |= {"path": cfg.path, "output_len_override": cfg.output_len_override}
+        out["tokenizer"] = cfg.tokenizer  # None: prompt lengths are estimates
+    if cfg.name == "sharegpt":
+        out["multi_turn"] = cfg.multi_turn
+    if cfg.name == "custom":
+        out["output_len"] = cfg.output_len  # for records without max_tokens
+    ranges = length_ranges(cfg)
+    if cfg.name == "multiturn":
+        lo, hi = _bounds(cfg.input_len, cfg.range_ratio), _bounds(cfg.output_len, cfg.range_ratio)
+        ranges = {cfg.name: (lo, hi)}
+    if ranges:
+        out["lengths"] = {
+            kind: {"input_tokens": list(ins), "output_tokens": list(outs)}
+            for kind, (ins, outs) in ranges.items()
+        }
+        out["distribution"] = "uniform integers over each range, ends included"
+    if cfg.name == "mixed":
+        out["mix"] = f"each request one of {', '.join(MIXED)}, with equal chance"
+    return out
 
 
 def random_samples(

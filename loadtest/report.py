@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from loadtest.arrivals import scheduled_rate_note
 from loadtest.client import ClientConfig, RunOutput
 from loadtest.metrics import METRICS, Metrics, meets, percentile_name
 
@@ -59,6 +60,11 @@ def run_config(cfg: ClientConfig, run: RunOutput, settings: dict[str, Any] | Non
         "request_timeout": cfg.request_timeout,
         "num_warmups": cfg.num_warmups,
         "schedule": run.schedule.describe(),
+        "scheduled_rate": None if math.isinf(run.scheduled_rate) else run.scheduled_rate,
+        "scheduled_rate_note": scheduled_rate_note(
+            run.schedule, run.scheduled_rate, len(run.send_times)
+        )
+        or None,
         **(settings or {}),
         "interrupted": bool(run.stopped),
         "stopped": run.stopped or None,
@@ -207,6 +213,8 @@ def summary_table(
     row("Request rate configured (RPS):", run.schedule.describe(), "")
     if not math.isinf(run.scheduled_rate):
         row("Scheduled arrival rate (RPS):", run.scheduled_rate)
+        if note := scheduled_rate_note(run.schedule, run.scheduled_rate, len(run.send_times)):
+            lines.append(f"  ({note})")
     row("Achieved arrival rate (RPS):", run.achieved_rate)
     if cfg.max_concurrency:
         row("Maximum request concurrency:", cfg.max_concurrency, "d")

@@ -11,9 +11,16 @@ import sys
 import numpy as np
 import pytest
 
-from loadtest.arrivals import Schedule, gaps, offsets, parse_rates, ramp_rate
+from loadtest.arrivals import (
+    Schedule,
+    gaps,
+    offsets,
+    parse_rates,
+    ramp_rate,
+    scheduled_rate_note,
+)
 from loadtest.client import ClientConfig, RequestResult, rate_check
-from loadtest.datasets import PRESETS, DatasetConfig, approx_tokens, load
+from loadtest.datasets import PRESETS, DatasetConfig, approx_tokens, describe, load
 from loadtest.metrics import meets, parse_goodput, percentile_name
 from loadtest.slo import RunSpec, search
 from tests.loadtest.standin import standin
@@ -184,3 +191,32 @@ def test_the_itl_p99_slo_bounds_each_requests_own_stalls() -> None:
     assert steady.tpot == pytest.approx(stalled.tpot)  # same mean: TPOT cannot tell them apart
     assert meets(steady, {"itl_p99": 100}) and not meets(stalled, {"itl_p99": 100})
     assert meets(stalled, {"tpot": 100})
+
+
+@pytest.mark.parametrize(
+    "name", ["random", "prefix", "multiturn", "chatbot", "summarization", "codegen", "mixed"]
+)
+def test_the_recorded_ranges_hold_every_sample_drawn(name: str) -> None:
+    """describe() (the saved config's dataset) names ranges that every drawn sample is in, per
+    preset for mixed, and records the --random-* settings only where they were read."""
+    cfg = DatasetConfig(name=name, num_prompts=60, input_len=40, output_len=12, range_ratio=0.5)
+    recorded = describe(cfg)
+    for sample in load(cfg):
+        ranges = recorded["lengths"][sample.kind]
+        (ilo, ihi), (olo, ohi) = ranges["input_tokens"], ranges["output_tokens"]
+        assert ilo <= sample.prompt_len <= ihi and olo <= sample.max_tokens <= ohi, sample.kind
+    assert ("input_len" in recorded) == (name in ("random", "prefix", "multiturn"))
+    if name == "mixed":
+        assert set(recorded["lengths"]) == {"chatbot", "summarization", "codegen"}
+
+
+def test_the_scheduled_rate_note_is_chance_for_random_gaps_only() -> None:
+    poisson = Schedule(0.25)
+    assert scheduled_rate_note(poisson, 0.25, 30) == ""  # within 1%: nothing to explain
+    note = scheduled_rate_note(poisson, 0.19, 30)
+    assert note.startswith("30 Poisson arrivals") and "±19% of 0.25" in note
+    assert "±9% of 0.25" in scheduled_rate_note(Schedule(0.25, burstiness=4.0), 0.2, 30)
+    assert "a ramp from 1 to 4 req/s" in scheduled_rate_note(
+        Schedule(ramp_start_rate=1, ramp_end_rate=4), 2.0, 30
+    )
+    assert scheduled_rate_note(Schedule(math.inf), math.inf, 30) == ""

@@ -134,3 +134,49 @@ def test_bad_arguments_and_a_dead_server(capsys) -> None:  # type: ignore[no-unt
     assert main([*dead, "--num-prompts", "3", "--random-input-len", "4"]) == 2
     err = capsys.readouterr().err
     assert "--base-url http://127.0.0.1:9" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_presets_saved_config_records_the_ranges_it_ran(server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--dataset-name chatbot draws from the preset's ranges and never reads --random-input-len
+    or --random-output-len: the saved config records those ranges, not the random defaults."""
+    argv = ["--base-url", server, "--dataset-name", "chatbot", "--num-prompts", "6",
+            "--request-rate", "inf", "--disable-tqdm", "--save-result", "--no-plots",
+            "--result-dir", str(tmp_path), "--result-filename", "chat.json"]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "chat.json").read_text())
+    dataset = doc[CONFIG_KEY]["dataset"]
+    assert dataset["lengths"] == {
+        "chatbot": {"input_tokens": [50, 200], "output_tokens": [100, 500]}
+    }
+    assert "input_len" not in dataset and "output_len" not in dataset
+    assert dataset["num_prompts"] == 6 and "uniform" in dataset["distribution"]
+    assert all(100 <= n <= 500 for n in doc["output_lens"])  # the stand-in sends max_tokens
+    assert all(50 <= n <= 200 for n in doc["input_lens"])
+
+
+def test_the_summary_says_why_the_scheduled_rate_is_not_the_configured_one(
+    server, tmp_path, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """30 Poisson arrivals at 50 req/s with seed 0 draw gaps whose own rate is about 41 req/s:
+    the summary says that this is chance, and how much of it to expect (1/sqrt(29): 19%), and
+    the saved config keeps both; constant gaps (--burstiness inf) need no explanation."""
+    argv = ["--base-url", server, "--num-prompts", "30", "--request-rate", "50", "--seed", "0",
+            "--random-input-len", "8", "--random-output-len", "2", "--disable-tqdm",
+            "--result-dir", str(tmp_path)]  # fmt: skip
+    assert main([*argv, "--save-result", "--no-plots", "--result-filename", "p.json"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    scheduled = next(i for i, line in enumerate(lines) if "Scheduled arrival rate" in line)
+    rate = float(lines[scheduled].split()[-1])
+    assert 35 < rate < 47, printed
+    assert lines[scheduled + 1] == (
+        "  (30 Poisson arrivals: random gaps give a run this short a rate of its own, within "
+        "±19% of 50 two times in three; more prompts narrow it)"
+    )
+    config = json.loads((tmp_path / "p.json").read_text())[CONFIG_KEY]
+    assert config["scheduled_rate"] == pytest.approx(rate, abs=0.01)
+    assert config["scheduled_rate_note"] == lines[scheduled + 1].strip()[1:-1]
+
+    assert main([*argv, "--burstiness", "inf"]) == 0
+    printed = capsys.readouterr().out
+    assert "Scheduled arrival rate (RPS):" in printed and "Poisson arrivals" not in printed
