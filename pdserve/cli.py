@@ -225,9 +225,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from services.server import run_worker
+    from services.worker_pool import run_workers
 
-    run_worker(worker_config_from_args(args.command, args))
+    run_workers(worker_config_from_args(args.command, args))
     return 0
 
 

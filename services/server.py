@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -407,8 +407,11 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def run_worker(config: WorkerConfig) -> None:
-    """Entry point of ``pdserve prefill|decode|colocated``."""
+def run_worker(
+    config: WorkerConfig, host: Callable[[WorkerConfig], Coroutine[Any, Any, None]] | None = None
+) -> None:
+    """Entry point of ``pdserve prefill|decode|colocated``: one ``Worker``, or what ``host``
+    runs (several simulated workers: ``services.worker_pool``)."""
     check_cluster_token(config.cluster_token, config.insecure)
     disable_created_metrics()  # counters' *_created series only double what scrapes show
     log_format = f"%(asctime)s {config.role} %(levelname)s %(message)s"
@@ -421,8 +424,7 @@ def run_worker(config: WorkerConfig) -> None:
         f"pdserve-{config.role}", config.trace_file, config.otlp_endpoint
     )
     try:
-        worker = Worker(config)
-        asyncio.run(worker.run())
+        asyncio.run(host(config) if host is not None else Worker(config).run())
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # exports the spans still queued

@@ -25,6 +25,7 @@ SERVICES_LAYERS: list[list[str]] = [
     ["worker"],
     ["prefill", "decode"],
     ["server"],
+    ["worker_pool"],
 ]
 
 

@@ -101,6 +101,11 @@ class WorkerConfig:
         "JSON file, or the name of one in benchmarks/profiles, e.g. sim-h100-llama3-8b) and "
         "deterministic tokens; KV moves over tcp (docs/simulation.md)",
     )
+    simulated_workers: int = setting(
+        1,
+        "with --simulate: how many simulated workers this one process hosts, each with its own "
+        "ports, worker id and registry record",
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -113,6 +118,12 @@ class WorkerConfig:
             raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
         if self.simulate is not None and self.kv_transport != "tcp":
             raise ValueError("a simulated worker moves its KV over tcp (--kv-transport tcp)")
+        if self.simulated_workers < 1:
+            raise ValueError(f"simulated_workers must be >= 1, got {self.simulated_workers}")
+        if self.simulated_workers > 1 and self.simulate is None:
+            raise ValueError("--simulated-workers hosts simulated workers: give --simulate too")
+        if self.simulated_workers > 1 and (self.grpc_port or self.metrics_port > 0):
+            raise ValueError("--simulated-workers > 1 needs --grpc-port 0 and --metrics-port 0/-1")
 
     @property
     def public_host(self) -> str:
