@@ -40,6 +40,15 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# The sampling values a GGUF file may recommend (llama.cpp's general.sampling.*), by the names
+# generation_config.json gives them: the router applies them to requests that leave them out.
+_SAMPLING_NAMES = {
+    "temp": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -107,6 +116,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
     config = _hf_config(reader, arch, num_heads, num_kv_heads, "lm_head.weight" not in weights)
     save_file(weights, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    sampling = generation_config(reader)
+    if sampling:  # none in the default model's file
+        (out / "generation_config.json").write_text(json.dumps(sampling, indent=2))
     _convert_tokenizer(gguf_path, out)
 
 
@@ -142,6 +154,17 @@ def _hf_config(reader, arch: str, num_heads: int, num_kv_heads: int, tied: bool)
         "eos_token_id": eos,
         "torch_dtype": "float32",
     }
+
+
+def generation_config(reader) -> dict:  # type: ignore[no-untyped-def]
+    """The file's recommended sampling values as generation_config.json holds them (float32
+    values rounded back to what was written: 0.6, not 0.6000000238)."""
+    found = {}
+    for key, name in _SAMPLING_NAMES.items():
+        value = _field(reader, f"general.sampling.{key}")
+        if value is not None:
+            found[name] = round(value, 6) if isinstance(value, float) else int(value)
+    return found
 
 
 def _convert_tokenizer(gguf_path: Path, out: Path) -> None:
