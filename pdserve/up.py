@@ -138,6 +138,11 @@ class UpConfig:
     log_file: str | None = setting(
         None, "where the components' log lines go (none: ~/.cache/pdserve/logs/up-TIME.log)"
     )
+    simulate: str | None = setting(
+        None,
+        "simulated workers with this profile (docs/simulation.md): one process per role hosts "
+        "all of that role's workers, so --prefill 16 --decode 48 fits on a laptop",
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
 
@@ -157,6 +162,8 @@ class UpConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.ready_timeout <= 0:
             raise ValueError(f"--ready-timeout must be > 0, got {self.ready_timeout}")
+        if self.simulate is not None and self.transport != "tcp":
+            raise ValueError("simulated workers move their KV over tcp (--transport tcp)")
 
     @property
     def num_prefill(self) -> int:
@@ -167,20 +174,31 @@ class UpConfig:
         return 0 if self.colocated else (1 if self.decode is None else self.decode)
 
     @property
+    def counts(self) -> dict[str, int]:
+        """Workers per role."""
+        return {"prefill": self.num_prefill, "decode": self.num_decode, "colocated": self.colocated}
+
+    @property
     def workers(self) -> list[tuple[str, str]]:
-        """(role, name) of every worker: prefill-0.., decode-0.. or colocated-0.."""
-        counts = (
-            ("prefill", self.num_prefill),
-            ("decode", self.num_decode),
-            ("colocated", self.colocated),
-        )
-        return [(role, f"{role}-{i}") for role, n in counts for i in range(n)]
+        """(role, name) of every worker process: prefill-0.., decode-0.. or colocated-0..;
+        simulated: one per role (prefill-x16: sixteen workers in one process)."""
+        if self.simulate is not None:
+            return [(role, f"{role}-x{n}") for role, n in self.counts.items() if n]
+        return [(role, f"{role}-{i}") for role, n in self.counts.items() for i in range(n)]
+
+    def role_args(self, role: str) -> list[str]:
+        """Flags of one role's worker processes beyond ``worker_args``: a simulated pool's."""
+        if self.simulate is None:
+            return []
+        return ["--simulate", self.simulate, "--simulated-workers", str(self.counts[role])]
 
     @property
     def threads_per_worker(self) -> int:
         """--threads, else the cores split evenly (oversubscribed torch pools run much slower)."""
         if self.threads is not None:
             return self.threads
+        if self.simulate is not None:  # simulated steps compute nothing
+            return 1
         return max(1, default_num_threads() // len(self.workers))
 
     def worker_args(self, redis_url: str) -> list[str]:
@@ -462,7 +480,8 @@ class UpSystem:
         worker_args = cfg.worker_args(self.redis.address) + insecure
         env = dict(self.secrets)
         self.workers = [
-            Component(name, role, worker_args, env, self.log) for role, name in cfg.workers
+            Component(name, role, worker_args + cfg.role_args(role), env, self.log)
+            for role, name in cfg.workers
         ]
         if cfg.router.api_key:
             env["PDSERVE_API_KEY"] = cfg.router.api_key
