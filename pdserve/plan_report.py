@@ -100,6 +100,7 @@ class Commands:
 
 
 def plan_commands(plan: Plan) -> Commands:
+    """The :class:`Commands` of ``plan``'s recommendation."""
     best = plan.best
     up = up_command(best.deployment, router_flags(best.deployment, plan.slo, plan.thresholds))
     if best.deployment.is_disaggregated:
@@ -145,8 +146,8 @@ def commands_in_words(plan: Plan) -> list[str]:
 
 @dataclass(frozen=True)
 class Column:
-    """A column of the candidates' table: its title, width (right-aligned; 0: left-aligned,
-    unpadded) and what its legend says."""
+    """A column of the candidates' table: its title, width (> 0: right-aligned in it; < 0:
+    left-aligned in -width; 0: the last, after two spaces) and what the legend says of it."""
 
     title: str
     width: int
