@@ -33,9 +33,9 @@ def test_up_simulate_starts_a_pool_per_role_and_serves() -> None:
         answers = [
             client.chat.completions.create(
                 model=model,
-                messages=messages,
+                messages=messages,  # type: ignore[arg-type]
                 max_tokens=6,
-                temperature=0,  # type: ignore[arg-type]
+                temperature=0,
             )
             for _ in range(3)
         ]

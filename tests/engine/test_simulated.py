@@ -13,7 +13,7 @@ import torch
 
 from common.sampling_params import SamplingParams
 from services.engine.config import EngineConfig, SchedulerConfig
-from services.engine.llm_engine import LLMEngine
+from services.engine.llm_engine import LLMEngine, PullPlan
 from services.engine.simulation_profile import SimulationProfile, StepTimeModel
 from tests.conftest import PROMPTS, assert_no_leaks
 
@@ -110,7 +110,7 @@ def test_pulled_kv_carries_the_tokens(corrupt: bool) -> None:
     first, block_ids = outs[-1].outputs[0].token_ids[0], outs[-1].kv_block_ids
     assert first == want[0] and block_ids
     assert d_engine.add_prefilled_request("h", ids, first, GREEDY) is None
-    plans = []
+    plans: list[PullPlan] = []
     while not plans:
         d_engine.step()
         plans = d_engine.take_pull_plans()
