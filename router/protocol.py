@@ -1,6 +1,6 @@
 """The OpenAI request bodies the gateway accepts, validated at the edge (pydantic).
 
-Fields OpenAI defines but pdserve cannot honour (tools, suffix, best_of != n, non-text content)
+Fields OpenAI defines but pdserve cannot honour (suffix, best_of != n, non-text content)
 are refused with a 400 naming them rather than silently ignored; unknown extra fields are
 ignored, as OpenAI's own server does. vLLM's sampling extensions (top_k, min_p,
 repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, prompt_logprobs) are
@@ -19,6 +19,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, fi
 
 from common.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
 from router.errors import APIError
+from router.tool_calls import (
+    MessageToolCall,
+    ToolDefinition,
+    ToolPlan,
+    message_tool_fields,
+    plan_tools,
+)
 from services.engine.hashing import MAX_CACHE_SALT_CHARS
 
 # Structural caps: what the proto and the engine can hold. The configurable limits (n, prompts,
@@ -268,6 +275,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this is the result of
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -294,7 +303,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None  # none, auto, required, a function
+    parallel_tool_calls: bool | None = None
     # Output kinds a text model cannot produce: refused when asked for (the check below).
     audio: Any = None
     modalities: list[str] | None = None
@@ -303,8 +314,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         self._check_text_only()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        self.tool_plan()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -316,10 +326,25 @@ class ChatCompletionRequest(_SamplingFields):
             msg = "web search is not supported"
             raise APIError(400, msg, param="web_search_options")
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def tool_plan(self) -> ToolPlan:
+        """What ``tools`` and ``tool_choice`` ask for (router.tool_calls); 400 when invalid."""
+        fmt = self.response_format is not None and self.response_format.type != "text"
+        grammar = "response_format" if fmt else None
+        grammar = "structured_outputs" if self.structured_outputs is not None else grammar
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls, grammar)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """A required or named tool call's grammar, else the request's own."""
+        return self.tool_plan().structured_output() or super().structured_output()
+
+    def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them (developer is the newer system)."""
         return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(i)}
+            {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": m.text(i),
+                **message_tool_fields(i, m.role, m.tool_calls, m.tool_call_id),
+            }
             for i, m in enumerate(self.messages)
         ]
 

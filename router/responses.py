@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from router.tool_output import ToolOutput, ToolStream
 from router.worker_calls import Chunk
 from services.engine.tokenizer import Tokenizer
 
@@ -102,6 +103,13 @@ class ResponseBuilder:
         self.echo = False
         self.drop_output = False  # echo with max_tokens 0: the prompt alone
         self.num_prompt_logprobs: int | None = None
+        self.tool_output: ToolOutput | None = None  # chat with tools: text read as calls
+        self._tool_streams: list[ToolStream] = []
+
+    def expect_tool_calls(self, output: ToolOutput) -> None:
+        """Read each choice's text as tool calls (router.tool_output)."""
+        self.tool_output = output
+        self._tool_streams = [output.stream() for _ in self.choices]
 
     def expect_prompts(
         self,
@@ -177,12 +185,21 @@ class ResponseBuilder:
             choice.started = True
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
             events.append(self._choice_event(role, None))
-        if chunk.text or logprobs:
-            content = {"index": index, "delta": {"content": chunk.text}, "logprobs": logprobs}
-            events.append(self._choice_event(content, None))
-        if chunk.finish_reason:
+        deltas: list[dict[str, Any]] = [{"content": chunk.text}] if chunk.text or logprobs else []
+        finish_reason = chunk.finish_reason
+        if self._tool_streams:  # tool calls: the text goes through the choice's ToolStream
+            deltas = self._tool_streams[index].feed(chunk.text)
+            if finish_reason:
+                last, finish_reason = self._tool_streams[index].finish(finish_reason)
+                deltas += last
+            if logprobs and not deltas:
+                deltas = [{}]
+        for j, delta in enumerate(deltas):
+            body = {"index": index, "delta": delta, "logprobs": logprobs if j == 0 else None}
+            events.append(self._choice_event(body, None))
+        if finish_reason:
             end = {"index": index, "delta": {}, "logprobs": None}
-            events.append(self._choice_event(end, chunk.finish_reason))
+            events.append(self._choice_event(end, finish_reason))
         return b"".join(sse(e) for e in events) or None
 
     def _choice_event(self, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
@@ -210,6 +227,11 @@ class ResponseBuilder:
                 body["text"] = (echoed.text if echoed else "") + choice.text
             else:
                 body["message"] = {"role": "assistant", "content": choice.text}
+            finish_reason = choice.finish_reason
+            if self.tool_output is not None:
+                body["message"], finish_reason = self.tool_output.message(
+                    choice.text, finish_reason
+                )
             body["logprobs"] = None
             if self.with_logprobs:
                 body["logprobs"] = (
@@ -217,7 +239,7 @@ class ResponseBuilder:
                     if echoed
                     else self._logprobs(choice.logprobs)
                 )
-            body["finish_reason"] = choice.finish_reason
+            body["finish_reason"] = finish_reason
             if self.kind == "completion" and prompt and self.num_prompt_logprobs is not None:
                 body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
             choices.append(body)

@@ -57,21 +57,39 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's own template (jinja2, sandboxed)."""
+        """Render ``messages`` with the model's own template (jinja2, sandboxed); ``tools``:
+        the functions the model may call, as transformers passes them (OpenAI's tool dicts)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = _tojson  # as transformers: JSON as written, not HTML-escaped
         template = env.from_string(self.chat_template)
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            tools=tools,
         )
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _token_text(value: Any) -> str | None:
