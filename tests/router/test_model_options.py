@@ -6,8 +6,9 @@ checked on its own (which file, which fields, what a request keeps), then live: 
 worker and routers given a generation config of greedy sampling and a 6-token cap, or
 ``--generation-config vllm``. A request without a temperature must then answer, token for token,
 what an explicit ``temperature: 0`` answers on the first, and sample (a different text, same
-seed) on the second. ``--chat-template`` (a template given as text) and ``--tokenizer`` (a
-directory with the model's tokenizer) are served by two more routers on the same worker.
+seed) on the second. ``--chat-template`` (a template given as text), ``--tokenizer`` (a
+directory with the model's tokenizer) and ``--served-model-name`` are served by three more
+routers on the same worker.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from router.generation_defaults import GenerationDefaults, load_generation_defaults
@@ -84,6 +86,7 @@ class Routers:
     off: Router  # --generation-config vllm
     template: Router  # --chat-template TEMPLATE
     tokenizer: Router  # --tokenizer DIR (a copy of the model's tokenizer files)
+    named: Router  # --served-model-name chat
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +107,11 @@ def routers(redis_server, tmp_path_factory) -> Iterator[Routers]:  # type: ignor
             off=c.add_router("--generation-config", "vllm"),
             template=c.add_router("--chat-template", TEMPLATE),
             tokenizer=c.add_router("--tokenizer", str(tokenizer)),
+            named=c.add_router("--served-model-name", "chat"),
         )
         for router in (found.model_defaults, found.off, found.template, found.tokenizer):
             router.wait_ready(num_workers=1)
+        found.named.wait_ready(num_workers=1)
         yield found
     except BaseException:
         c.dump()
@@ -153,3 +158,12 @@ def test_a_tokenizer_directory_of_the_same_tokenizer_serves(routers: Routers) ->
         model=MODEL, messages=CHAT, temperature=0, max_tokens=4
     )
     assert reply.usage.completion_tokens == 4
+
+
+def test_the_served_model_name_is_the_one_the_api_knows(routers: Routers) -> None:
+    client = routers.named.client()
+    assert [m.id for m in client.models.list().data] == ["chat"]
+    reply = client.chat.completions.create(model="chat", messages=CHAT, max_tokens=2)
+    assert reply.model == "chat" and reply.usage.completion_tokens == 2
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
