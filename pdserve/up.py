@@ -596,7 +596,7 @@ class UpSystem:
             *(c.describe() for c in self.components),
             "",
             f"  curl {self.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\",
-            f"    -d '{json.dumps({**body, 'max_tokens': 32})}'",
+            f"    -d '{json.dumps({**body, 'max_tokens': 32, 'temperature': 0})}'",
             "",
             *(
                 ["--restart is on: a component that exits is reported and started again."]
