@@ -122,6 +122,7 @@ def plan_tools(
     if tools is not None and not tools:
         raise APIError(400, "Invalid 'tools': empty array; give at least one tool", "tools")
     checked = tuple(_checked_tool(i, tool) for i, tool in enumerate(tools or []))
+    _check_encodable(checked, "tools")
     names = [t["function"]["name"] for t in checked]
     for i, name in enumerate(names):
         if name in names[:i]:
@@ -209,6 +210,8 @@ def message_tool_fields(
     """What a message adds to its template dict: an assistant's calls (their arguments as
     objects, as transformers' templates expect), a tool result's ``tool_call_id``."""
     fields: dict[str, Any] = {}
+    _check_encodable([c.model_dump() for c in tool_calls or []], f"messages.{index}.tool_calls")
+    _check_encodable(tool_call_id, f"messages.{index}.tool_call_id")
     if tool_calls:
         if role != "assistant":
             msg = "only assistant messages carry tool_calls"
@@ -220,6 +223,14 @@ def message_tool_fields(
             raise APIError(400, msg, f"messages.{index}.tool_call_id")
         fields["tool_call_id"] = tool_call_id
     return fields
+
+
+def _check_encodable(value: Any, param: str) -> None:
+    """JSON may carry lone surrogates (``"\\ud800"``); no tokenizer takes them."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "must be valid Unicode text (it has a lone surrogate)", param) from None
 
 
 def _template_call(call: MessageToolCall) -> dict[str, Any]:

@@ -124,5 +124,5 @@ class ToolStream:
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json can read
         return None

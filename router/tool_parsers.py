@@ -147,7 +147,7 @@ def _json_calls(body: str) -> list[ParsedCall]:
             return calls
         try:
             value, pos = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return []
         call = call_of(value)
         if call is None:
@@ -158,7 +158,7 @@ def _json_calls(body: str) -> list[ParsedCall]:
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than json can read
         return None
 
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
-import openai
 import pytest
 
 from services.engine.tokenizer import Tokenizer
@@ -54,7 +54,7 @@ TOOLS: list[Any] = [
     }
     for name, schema in SCHEMAS.items()
 ]
-QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+QUESTION: Any = {"role": "user", "content": "What is the weather in Paris?"}
 MAX_TOKENS = 64
 HERMES_CALL = (
     r'<tool_call>\{"name": "get_weather", '
@@ -63,14 +63,24 @@ HERMES_CALL = (
 
 
 @pytest.fixture(scope="module")
-def routers(redis_server) -> Iterator[dict[str, Router]]:  # type: ignore[no-untyped-def]
-    """One prefill and one decode worker; a router that always disaggregates ("pulled") and one
-    that computes every prompt on the decode worker ("local")."""
+def routers(redis_server, tmp_path_factory) -> Iterator[dict[str, Router]]:  # type: ignore[no-untyped-def]
+    """One prefill and one decode worker; a router that always disaggregates ("pulled", the
+    model's own template: no tools shown) and one that computes every prompt on the decode
+    worker ("local", a template that shows tools, calls and results: TEMPLATE)."""
+    template = tmp_path_factory.mktemp("template") / "tools.jinja"
+    template.write_text(TEMPLATE)
     c = Cluster(redis_server.url)
     try:
         prefill, decode = c.add_workers("prefill", "decode")
         remote = c.add_router()
-        local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
+        local = c.add_router(
+            "--disaggregation",
+            "conditional",
+            "--local-prefill-tokens",
+            "4096",
+            "--chat-template",
+            str(template),
+        )
         remote.wait_ready(num_workers=2)
         local.wait_ready(num_workers=2)
         yield {"pulled": remote, "local": local}
@@ -186,7 +196,7 @@ def test_call_then_tool_result_then_answer(routers, choice, route, stream):  # t
     asked: dict[str, Any] = {  # type: ignore[assignment]
         "required": {"tool_choice": "required", "parallel_tool_calls": False},
         "named": {"tool_choice": NAMED},
-        "auto": {"extra_body": STEER_CALL, "max_tokens": 160},  # auto: the default with tools
+        "auto": {"extra_body": STEER_CALL, "max_tokens": 160, "temperature": 0},  # the default
     }[choice]
     message, reason = ask(router, route, stream, messages=[QUESTION], tools=TOOLS, seed=3, **asked)
     names = {"get_time"} if choice == "named" else set(SCHEMAS)
@@ -245,7 +255,9 @@ def test_auto_returns_text_that_is_no_call_as_content(routers, regex, stream):  
 
 def test_auto_without_steering_answers_well_formed(routers):  # type: ignore[no-untyped-def]
     """The test model's own answer (text, as it knows no tools), through the parser."""
-    message, reason = ask(routers["local"], "local", True, messages=[QUESTION], tools=TOOLS)
+    message, reason = ask(
+        routers["local"], "local", True, messages=[QUESTION], tools=TOOLS, max_tokens=16
+    )
     assert reason in ("stop", "length") and isinstance(message["content"], str)
 
 
@@ -277,6 +289,11 @@ BAD = [
         "tools.0.function.parameters",
         "'required' must be an array",
     ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+        "tools",
+        "lone surrogate",
+    ),
     ({"tool_choice": "required"}, "tool_choice", "only allowed when 'tools'"),
     ({"tools": TOOLS, "tool_choice": "always"}, "tool_choice", "'always'"),
     (
@@ -298,6 +315,11 @@ BAD = [
         {"messages": [QUESTION, {"role": "tool", "content": "21"}]},
         "messages.1.tool_call_id",
         "required",
+    ),
+    (
+        {"messages": [QUESTION, {"role": "tool", "tool_call_id": "\udfff", "content": "21"}]},
+        "messages.1.tool_call_id",
+        "lone surrogate",
     ),
     (
         {
@@ -340,10 +362,15 @@ BAD = [
 @pytest.mark.parametrize(("body", "param", "words"), BAD)
 def test_bad_tools_and_tool_choice_are_400s_naming_the_field(routers, body, param, words):  # type: ignore[no-untyped-def]
     request = {"model": MODEL, "messages": [QUESTION], "max_tokens": 4, **body}
-    with pytest.raises(openai.BadRequestError) as error:
-        routers["pulled"].client().chat.completions.create(**request)
-    body = error.value.body
-    assert isinstance(body, dict)
+    response = httpx.post(  # JSON as sent by hand: lone surrogates escaped, as clients may
+        routers["pulled"].url + "/v1/chat/completions",
+        content=json.dumps(request),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
+    assert response.status_code == 400, response.text
+    body = response.json()["error"]
+    assert body["type"] == "invalid_request_error"
     if param is not None:
         assert body["param"] == param, body
     assert words in body["message"], body
@@ -368,11 +395,28 @@ You may call these functions:
 {% endif %}"""
 
 
+def transformers_render(messages: list[Any], tools: list[Any] | None) -> str:
+    """What transformers renders with TEMPLATE (the reference for ours)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from services.engine.model.source import resolve_model_dir
+
+    source = resolve_model_dir(None, Path.home() / ".cache" / "pdserve", convert_in_child=True)
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    return str(
+        reference.apply_chat_template(
+            messages,
+            tools=tools,
+            chat_template=TEMPLATE,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    )
+
+
 def test_tools_calls_and_results_render_as_transformers_renders_them(tmp_path):  # type: ignore[no-untyped-def]
     """A tools-aware template (Hermes-style) gets what transformers gives it: the tools, the
     assistant's calls with their arguments as objects, the tool results with their ids."""
-    from transformers import PreTrainedTokenizerFast
-
     from router.protocol import ChatCompletionRequest
     from services.engine.model.source import resolve_model_dir
 
@@ -395,14 +439,34 @@ def test_tools_calls_and_results_render_as_transformers_renders_them(tmp_path): 
     )
     # transformers takes the arguments as an object (what vLLM hands it too)
     given = {**call, "function": {"name": "get_weather", "arguments": arguments}}
-    expected = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
-    theirs = expected.apply_chat_template(
-        [QUESTION, {"role": "assistant", "content": "", "tool_calls": [given]}, result],  # type: ignore[arg-type]
-        tools=TOOLS,
-        chat_template=TEMPLATE,
-        tokenize=False,
-        add_generation_prompt=True,
+    theirs = transformers_render(
+        [QUESTION, {"role": "assistant", "content": "", "tool_calls": [given]}, result], TOOLS
     )
     assert ours == theirs
     assert '"city": "Paris <3"' in ours and '"name": "get_time"' in ours
     assert ours.endswith("call_1: sunny<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_prompt_holds_the_tools_where_the_template_shows_them(routers):  # type: ignore[no-untyped-def]
+    """The local router's template shows the tools (as many prompt tokens as transformers'
+    rendering has), none of them with tool_choice none; the model's own template shows none."""
+    from transformers import PreTrainedTokenizerFast
+
+    from services.engine.model.source import resolve_model_dir
+
+    def prompt_tokens(router: Router, **kwargs: Any) -> int:
+        response = router.client().chat.completions.create(
+            model=MODEL, messages=[QUESTION], max_tokens=1, **kwargs
+        )
+        assert response.usage is not None
+        return response.usage.prompt_tokens
+
+    source = resolve_model_dir(None, Path.home() / ".cache" / "pdserve", convert_in_child=True)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(source / "tokenizer.json"))
+    expected = len(
+        tokenizer.encode(transformers_render([QUESTION], TOOLS), add_special_tokens=False)
+    )
+    local, pulled = routers["local"], routers["pulled"]
+    assert prompt_tokens(local, tools=TOOLS) == expected
+    assert prompt_tokens(local, tools=TOOLS, tool_choice="none") < expected
+    assert prompt_tokens(pulled, tools=TOOLS) == prompt_tokens(pulled)

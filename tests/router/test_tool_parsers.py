@@ -103,6 +103,8 @@ def test_recorded_calls_parse(parser, text, content, calls):  # type: ignore[no-
         (Llama3JsonParser(), '{"city": "Paris"}'),  # JSON, not a call
         (Llama3JsonParser(), LLAMA_ONE + " and then some words"),
         (Llama3JsonParser(), "<|python_tag|>print('hi')"),
+        (HermesParser(), "<tool_call>" + "[" * 100_000),  # deeper than json reads
+        (Llama3JsonParser(), "{" + '"a":{' * 100_000),
     ],
 )
 def test_malformed_output_is_text(parser, text):  # type: ignore[no-untyped-def]
