@@ -26,12 +26,16 @@ log = logging.getLogger(__name__)
 
 
 def pool_configs(config: WorkerConfig) -> list[WorkerConfig]:
-    """One config per hosted worker (an explicit ``--worker-id`` gets a ``-i`` suffix)."""
+    """One config per hosted worker: an explicit ``--worker-id`` gets a ``-i`` suffix; the
+    first keeps the fixed ports (a container's probes and scrapes find it), the others take
+    free ones (``-1``, no /metrics, stays)."""
     return [
         dataclasses.replace(
             config,
             simulated_workers=1,
             worker_id=f"{config.worker_id}-{i}" if config.worker_id else None,
+            grpc_port=config.grpc_port if i == 0 else 0,
+            metrics_port=config.metrics_port if i == 0 else min(config.metrics_port, 0),
         )
         for i in range(config.simulated_workers)
     ]
@@ -41,6 +45,7 @@ async def host_workers(config: WorkerConfig) -> None:
     """Run ``config.simulated_workers`` workers on this loop until a signal drains them."""
     workers = [Worker(c, standalone=False) for c in pool_configs(config)]
     tasks = [asyncio.create_task(w.run(), name=w.worker_id) for w in workers]
+
     def stop_all() -> None:
         for worker in workers:
             worker.stop()

@@ -104,7 +104,8 @@ class WorkerConfig:
     simulated_workers: int = setting(
         1,
         "with --simulate: how many simulated workers this one process hosts, each with its own "
-        "ports, worker id and registry record",
+        "worker id and registry record; the first takes --grpc-port and --metrics-port, the "
+        "others any free ports",
     )
 
     def __post_init__(self) -> None:
@@ -122,8 +123,6 @@ class WorkerConfig:
             raise ValueError(f"simulated_workers must be >= 1, got {self.simulated_workers}")
         if self.simulated_workers > 1 and self.simulate is None:
             raise ValueError("--simulated-workers hosts simulated workers: give --simulate too")
-        if self.simulated_workers > 1 and (self.grpc_port or self.metrics_port > 0):
-            raise ValueError("--simulated-workers > 1 needs --grpc-port 0 and --metrics-port 0/-1")
 
     @property
     def public_host(self) -> str:

@@ -5,11 +5,15 @@ deregisters them all (docs/simulation.md)."""
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import re
 import urllib.request
 
 import httpx
+import pytest
 
+from services.worker.config import WorkerConfig
+from services.worker_pool import pool_configs
 from tests.router.cluster import MODEL, Cluster, Router, wait_until
 
 NUM_PREFILL, NUM_DECODE = 2, 8
@@ -69,3 +73,19 @@ def test_many_workers_in_one_process_register_serve_and_leave(redis_server) -> N
         raise
     finally:
         c.stop()
+
+
+def test_the_first_hosted_worker_keeps_the_fixed_ports() -> None:
+    """In a container the probes and the scrape find the first worker at the fixed ports."""
+    config = WorkerConfig(
+        role="decode", simulate="h100-llama3-8b", simulated_workers=3, grpc_port=50051,
+        metrics_port=9100, worker_id="d",
+    )  # fmt: skip
+    hosted = pool_configs(config)
+    assert [c.worker_id for c in hosted] == ["d-0", "d-1", "d-2"]
+    assert [(c.grpc_port, c.metrics_port) for c in hosted] == [(50051, 9100), (0, 0), (0, 0)]
+    assert {c.simulated_workers for c in hosted} == {1}
+    quiet = pool_configs(dataclasses.replace(config, metrics_port=-1))
+    assert [c.metrics_port for c in quiet] == [-1, -1, -1]
+    with pytest.raises(ValueError, match="--simulate"):
+        WorkerConfig(role="decode", simulated_workers=2)
