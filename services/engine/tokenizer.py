@@ -6,6 +6,7 @@ Uses the ``tokenizers`` library directly: fast, and free of transformers' import
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,11 @@ class Tokenizer:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = _tojson  # as transformers: JSON as written, not HTML-escaped
+        # what transformers gives templates: JSON as written (not HTML-escaped), a way to refuse
+        # a conversation (Llama 3's templates do), today's date (Llama 3.2's system turn)
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
         template = env.from_string(self.chat_template)
         return template.render(
             messages=messages,
@@ -78,6 +83,14 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             tools=tools,
         )
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)  # the template refuses the conversation: a 400 at the router
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 def _tojson(

@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -445,6 +446,25 @@ def test_tools_calls_and_results_render_as_transformers_renders_them(tmp_path): 
     assert ours == theirs
     assert '"city": "Paris <3"' in ours and '"name": "get_time"' in ours
     assert ours.endswith("call_1: sunny<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_may_refuse_a_conversation_and_read_the_date(tmp_path):  # type: ignore[no-untyped-def]
+    """raise_exception and strftime_now, as transformers gives them (Llama 3's templates)."""
+    from services.engine.model.source import resolve_model_dir
+
+    source = resolve_model_dir(None, Path.home() / ".cache" / "pdserve", convert_in_child=True)
+    shutil.copy(source / "tokenizer.json", tmp_path / "tokenizer.json")
+    template = (
+        "{% if messages | length > 1 %}{{ raise_exception('one message only') }}{% endif %}"
+        "{{ strftime_now('%Y') }}: {{ messages[0].content }}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = Tokenizer(tmp_path)
+    assert (
+        tokenizer.apply_chat_template([QUESTION]) == f"{datetime.now().year}: {QUESTION['content']}"
+    )
+    with pytest.raises(ValueError, match="one message only"):
+        tokenizer.apply_chat_template([QUESTION, QUESTION])
 
 
 def test_the_prompt_holds_the_tools_where_the_template_shows_them(routers):  # type: ignore[no-untyped-def]
