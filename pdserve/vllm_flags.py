@@ -43,6 +43,9 @@ REFUSED: dict[tuple[str, ...], str] = {
     ),
     ("--enable-prefix-caching",): ("here it is the --prefix-caching switch, on by default"),
     ("--enable-chunked-prefill",): ("here it is the --chunked-prefill switch, on by default"),
+    ("--enable-auto-tool-choice",): (
+        "tool_choice auto is always on: leave the flag out (--tool-call-parser picks the format)"
+    ),
 }
 
 

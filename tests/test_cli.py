@@ -286,6 +286,7 @@ def test_serve_and_up_take_what_a_vllm_serve_user_types(command):
         (["up", "--gpu-memory-utilization", "0.9"], "--kv-cache-memory SIZE or --num-blocks N"),
         (["serve", "--trust-remote-code", "m"], "no model code is loaded"),
         (["serve", "--enable-prefix-caching"], "here it is the --prefix-caching switch"),
+        (["serve", "--enable-auto-tool-choice"], "tool_choice auto is always on"),
         (["up", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     ],
 )
