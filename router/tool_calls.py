@@ -87,28 +87,31 @@ class ToolPlan:
     def structured_output(self) -> StructuredOutput | None:
         """The grammar of a required or named call (None: the output is free)."""
         if self.mode == "named":
-            return StructuredOutput("json_schema", json.dumps(self._parameters(self.function)))
+            [tool] = [t for t in self.tools if t["function"]["name"] == self.function]
+            return StructuredOutput("json_schema", json.dumps(_parameters(tool)))
         if self.mode != "required":
             return None
         one_call = [
             {
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": self._parameters(name)},
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    "arguments": _parameters(tool),
+                },
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
-            for name in sorted(self.names)
+            for tool in self.tools
         ]
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": one_call}, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutput("json_schema", json.dumps(schema))
 
-    def _parameters(self, name: str | None) -> dict[str, Any]:
-        for tool in self.tools:
-            if tool["function"]["name"] == name:
-                return tool["function"].get("parameters") or EMPTY_PARAMETERS
-        raise KeyError(name)
+
+def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
+    parameters: dict[str, Any] = tool["function"].get("parameters") or EMPTY_PARAMETERS
+    return parameters
 
 
 def plan_tools(
@@ -123,10 +126,12 @@ def plan_tools(
         raise APIError(400, "Invalid 'tools': empty array; give at least one tool", "tools")
     checked = tuple(_checked_tool(i, tool) for i, tool in enumerate(tools or []))
     _check_encodable(checked, "tools")
-    names = [t["function"]["name"] for t in checked]
-    for i, name in enumerate(names):
-        if name in names[:i]:
+    names: set[str] = set()
+    for i, tool in enumerate(checked):
+        name = tool["function"]["name"]
+        if name in names:
             raise APIError(400, f"duplicate function name {name!r}", f"tools.{i}.function.name")
+        names.add(name)
     parallel = parallel_tool_calls is not False
     choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
     if choice == "none":
@@ -146,7 +151,7 @@ def plan_tools(
 def _forced_plan(
     choice: str | dict[str, Any],
     tools: tuple[dict[str, Any], ...],
-    names: list[str],
+    names: set[str],
     parallel: bool,
 ) -> ToolPlan:
     """The plan of ``required`` or a named function (the other choices are refused here)."""

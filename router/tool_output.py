@@ -99,7 +99,7 @@ class ToolStream:
             return [{"tool_calls": [opening]}]
         if self.held:
             return []
-        num_content, self.held = self.output.parser.split(self.text)
+        num_content, self.held = self.output.parser.split(self.text, self.num_sent)
         return self._content_until(num_content)
 
     def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:

@@ -44,9 +44,10 @@ class ToolParser(ABC):
         """The whole answer's content and calls; ``Parsed(text)`` when it holds no valid call."""
 
     @abstractmethod
-    def split(self, text: str) -> tuple[int, bool]:
+    def split(self, text: str, start: int = 0) -> tuple[int, bool]:
         """For streaming a growing ``text``: how many leading characters are surely plain content,
-        and whether a call has begun right after them (then the rest waits for the end)."""
+        and whether a call has begun right after them (then the rest waits for the end).
+        ``start``: characters already known to be content (not searched again)."""
 
 
 class HermesParser(ToolParser):
@@ -64,10 +65,10 @@ class HermesParser(ToolParser):
             return Parsed(text)
         return Parsed(_content(text[:start]), [c for c in calls if c is not None])
 
-    def split(self, text: str) -> tuple[int, bool]:
-        start = text.find(self.START)
-        if start >= 0:
-            return start, True
+    def split(self, text: str, start: int = 0) -> tuple[int, bool]:
+        begin = text.find(self.START, start)
+        if begin >= 0:
+            return begin, True
         return len(text) - held_back(text, self.START), False
 
 
@@ -86,15 +87,16 @@ class Llama3JsonParser(ToolParser):
         calls = _json_calls(body)
         return Parsed(_content(before), calls) if calls else Parsed(text)
 
-    def split(self, text: str) -> tuple[int, bool]:
-        tag = text.find(self.TAG)
+    def split(self, text: str, start: int = 0) -> tuple[int, bool]:
+        tag = text.find(self.TAG, start)
         if tag >= 0:
             return tag, True
-        stripped = text.lstrip()
-        if stripped.startswith("{"):
-            return 0, True
-        if self.TAG.startswith(stripped):  # nothing yet, or the tag's beginning
-            return 0, False
+        if start == 0:  # nothing sent yet: the answer may still open with a call
+            stripped = text.lstrip()
+            if stripped.startswith("{"):
+                return 0, True
+            if self.TAG.startswith(stripped):  # nothing yet, or the tag's beginning
+                return 0, False
         return len(text) - held_back(text, self.TAG), False
 
 
