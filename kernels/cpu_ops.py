@@ -54,7 +54,7 @@ LANES, MAX_HEAD_DIM = 16, 256  # head_dim: a multiple of the kernel's vector wid
 COMPILERS = ("cc", "gcc", "clang")  # tried in this order when none is named
 
 
-def _cpu_signature() -> str:
+def cpu_signature() -> str:
     """What ``-march=native`` depends on: the CPU model and its feature flags."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -77,7 +77,7 @@ def find_compiler(preferred: str | None = None) -> str | None:
 def build(compiler: str, out_dir: Path) -> Path:
     """Compile the kernels (once: the file name hashes the sources, flags and CPU)."""
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + cpu_signature().encode())
     target = out_dir / f"pdserve_cpu-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target

@@ -159,10 +159,10 @@ class EngineConfig:
     )
     cpu_matmul: str = setting(
         "auto",
-        "dtype the CPU GEMMs compute in: native (the weights'), float32 (bfloat16/float16 "
-        "weights widened once: twice their memory) or auto (native where the CPU has "
-        "AVX512-BF16/AMX dot products for it, else float32)",
-        choices=("auto", "native", "float32"),
+        "path of the CPU GEMMs: auto (the fastest per layer shape and row count, timed at first "
+        "start and kept in <cache-dir>/kernels), native (oneDNN in the weights' dtype), float32 "
+        "(oneDNN on weights widened once: twice their memory) or mkl (torch's F.linear in float32)",
+        choices=("auto", "native", "float32", "mkl"),
     )
     cpu_kernels_cc: str | None = setting(
         None, "C compiler that builds the CPU kernel (none: cc, gcc or clang, the first on PATH)"

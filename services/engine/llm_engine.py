@@ -25,6 +25,7 @@ from services.engine.block_pool import BlockPool, HostBlockPool
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.grammar import Grammars
 from services.engine.kv_handoff import KVHandoff, PullPlan
+from services.engine.model.gemm_choice import GemmTable
 from services.engine.model.llama import LlamaModel
 from services.engine.model.loader import load_config, load_model
 from services.engine.model.simulated import SimulatedModel
@@ -61,7 +62,12 @@ class LLMEngine:
             backend = attention_backend(config)  # on CPU, the compiled kernels (or reference)
             small_batch = getattr(backend, "linear_bf16", None)
             self.model = load_model(
-                self.model_dir, dtype, config.device, config.cpu_matmul, small_batch
+                self.model_dir,
+                dtype,
+                config.device,
+                config.cpu_matmul,
+                small_batch,
+                config.cache_path / "kernels",  # the measured GEMM paths, beside the kernels
             )
             per_block = kv_bytes_per_block(self.model, cache.block_size, dtype)
             num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // per_block)
@@ -332,6 +338,11 @@ class LLMEngine:
     @property
     def model_config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def gemm_table(self) -> GemmTable | None:
+        """The GEMM path per linear shape and row count (CPU), and how it was chosen."""
+        return getattr(self.model, "gemm_table", None)  # a simulated model has none
 
     @property
     def num_blocks(self) -> int:

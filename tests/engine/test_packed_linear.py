@@ -8,7 +8,8 @@ from torch import nn
 
 from services.engine.model.packed_linear import (
     PackedLinear,
-    can_pack,
+    can_run,
+    candidate_paths,
     onednn_supports,
     pack_linears,
 )
@@ -53,21 +54,74 @@ def test_pack_linears_replaces_every_linear_and_keeps_the_rest() -> None:
     assert pack_linears(model) == 0  # nothing left to pack
 
 
-def test_only_cpu_float32_and_bfloat16_matrices_are_packable() -> None:
-    assert can_pack(torch.zeros(4, 4))
-    assert can_pack(torch.zeros(4, 4, dtype=torch.bfloat16)) == onednn_supports(torch.bfloat16)
-    assert not can_pack(torch.zeros(4, 4, dtype=torch.float16))
-    assert can_pack(torch.zeros(4, 4, dtype=torch.float16), torch.float32)  # widened
-    assert not can_pack(torch.zeros(4))
+def test_which_paths_run_which_weights() -> None:
+    assert can_run("native", torch.zeros(4, 4)) and can_run("mkl", torch.zeros(4, 4))
+    bf16 = torch.zeros(4, 16, dtype=torch.bfloat16)
+    assert can_run("native", bf16) == onednn_supports(torch.bfloat16)
+    assert not can_run("native", torch.zeros(4, 4, dtype=torch.float16))
+    assert can_run("float32", torch.zeros(4, 4, dtype=torch.float16))  # widened
+    assert can_run("small-batch", bf16, has_small_batch=True)
+    assert not can_run("small-batch", bf16) and not can_run("small-batch", torch.zeros(4, 16), True)
+    assert not can_run("mkl", torch.zeros(4))
+    assert candidate_paths(torch.zeros(4, 16)) == ("native", "mkl")  # float32 is native here
+    with pytest.raises(ValueError, match="GEMM path must be one of"):
+        can_run("fast", bf16)
 
 
-def test_bfloat16_falls_back_to_plain_linear_where_onednn_cannot_run_it(monkeypatch) -> None:
+def test_forcing_native_keeps_plain_linear_where_onednn_cannot_run_it(monkeypatch) -> None:
     """A CPU without oneDNN's bf16 instructions keeps nn.Linear (CI once ran on such a VM) when
-    told to compute natively; by default (``auto``) its weights are widened to float32."""
+    told to compute natively, and native bf16 is no candidate where the CPU only emulates it."""
     import services.engine.model.packed_linear as packed_linear
 
     monkeypatch.setattr(packed_linear, "onednn_supports", lambda dtype: dtype == torch.float32)
     monkeypatch.setattr(packed_linear, "native_matmul", lambda dtype: dtype == torch.float32)
-    model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    model = nn.Sequential(nn.Linear(16, 8)).to(torch.bfloat16)
     assert pack_linears(model, "native") == 0 and isinstance(model[0], nn.Linear)
-    assert pack_linears(model, "auto") == 1 and model[0].compute_dtype == torch.float32
+    assert candidate_paths(model[0].weight) == ("float32", "mkl")
+    assert pack_linears(model, "float32") == 1 and model[0].paths[0] == "float32"
+
+
+def reference(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """float32 math on the layer's values."""
+    bias = None if linear.bias is None else linear.bias.float()
+    return torch.nn.functional.linear(x.float(), linear.weight.float(), bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+def test_every_path_computes_the_same_layer(dtype: torch.dtype, rows: int) -> None:
+    """Each path this CPU runs (the small-batch kernel: tests/kernels/test_linear_bf16.py) gives
+    the float32 result on the same values, to the rounding of the output dtype."""
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 80, bias=True).to(dtype)
+    x = torch.randn(rows, 96).to(dtype)
+    expected = reference(linear, x)
+    paths = [p for p in ("native", "float32", "mkl") if can_run(p, linear.weight)]
+    assert "mkl" in paths and "float32" in paths
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.inference_mode():
+        for path in paths:
+            out = PackedLinear(linear, path)(x)
+            assert out.dtype == dtype and out.shape == (rows, 80)
+            torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_layer_runs_each_bucket_on_its_own_path() -> None:
+    """A table of one path per bucket: the layer's rows pick the GEMM (counted by a kernel
+    standing in for small-batch) and every bucket gives the same result."""
+    linear = nn.Linear(32, 16).to(torch.bfloat16)
+    calls: list[int] = []
+
+    def kernel(x, weight, bias):  # type: ignore[no-untyped-def]
+        calls.append(len(x))
+        return reference(linear, x).to(torch.bfloat16)
+
+    paths = ("small-batch", "small-batch", "mkl", "float32", "mkl")
+    layer = PackedLinear(linear, paths, kernel)
+    with torch.inference_mode():
+        for rows in (1, 4, 5, 64, 65, 300):
+            x = torch.randn(rows, 32).to(torch.bfloat16)
+            torch.testing.assert_close(layer(x).float(), reference(linear, x), atol=2e-2, rtol=2e-2)
+    assert calls == [1, 4]
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        PackedLinear(linear, "small-batch", kernel)

@@ -15,6 +15,7 @@ from torch import nn
 
 import kernels
 from services.engine.config import ModelConfig
+from services.engine.model.gemm_choice import GemmTable
 
 
 @dataclass
@@ -194,6 +195,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.gemm_table: GemmTable | None = None  # the linears' GEMM paths (the loader's)
 
     def forward(
         self,

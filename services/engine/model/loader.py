@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
 
+from kernels.cpu_ops import cpu_signature
 from services.engine.config import ModelConfig
+from services.engine.model.gemm_choice import choose_paths
 from services.engine.model.llama import LlamaModel
 from services.engine.model.packed_linear import SmallBatchLinear, pack_linears
 from services.engine.model.source import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(model_dir: Path) -> ModelConfig:
@@ -44,10 +49,12 @@ def load_model(
     device: str,
     cpu_matmul: str = "auto",
     small_batch: SmallBatchLinear | None = None,
+    kernel_cache: Path | None = None,
 ) -> LlamaModel:
-    """Build the model from ``model_dir`` and load its weights; on CPU its linear layers are
-    packed for oneDNN, computing in the dtype ``cpu_matmul`` picks (``matmul_dtype``), with
-    ``small_batch`` for a few rows of bfloat16 weights (``PackedLinear``)."""
+    """Build the model from ``model_dir`` and load its weights. On CPU each linear layer runs
+    its GEMMs on the path ``cpu_matmul`` forces, or (``auto``) on the fastest measured for its
+    shape and row count, cached in ``kernel_cache`` (``gemm_choice``); ``small_batch``: the
+    compiled kernel for 1-4 rows of bfloat16 weights. The table is ``model.gemm_table``."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -55,5 +62,12 @@ def load_model(
     model.rope.build()  # buffers are not weights: rebuild them after to_empty()
     model.load_hf_state_dict(load_weights(model_dir))
     model = model.to(device=device, dtype=dtype).eval()
-    pack_linears(model, cpu_matmul, small_batch)  # CPU: oneDNN-packed GEMMs (no-op elsewhere)
+    table = choose_paths(model, cpu_matmul, small_batch, kernel_cache, cpu_signature())
+    if table is not None:  # CPU: nothing to choose elsewhere
+        pack_linears(model, table.chooser(), small_batch)
+        took = f" in {table.measure_seconds:.1f} s" if table.source == "measured" else ""
+        logger.info("GEMM path per row count (%s weights, %s%s):", table.dtype, table.source, took)
+        for line in table.lines():
+            logger.info("  %s", line)
+    model.gemm_table = table
     return model

@@ -1,41 +1,66 @@
-"""Linear layers with weights pre-packed for oneDNN: the CPU fast path for the model's GEMMs.
+"""Linear layers on CPU that run each GEMM on one of several paths, chosen per row count.
 
-``F.linear`` on CPU calls MKL's sgemm on the plain ``[out, in]`` weight. For the skinny GEMMs
-of decoding (a handful to a few dozen rows) that repacks the weight on every call, and on AMD
-CPUs MKL does not take its AVX-512 kernels. oneDNN reorders the weight once, into the blocked
-layout its kernels read, and dispatches on the CPU's features: on the 2-core AMD EPYC VM the
-model's four per-layer GEMMs run 2-4x faster (``docs/benchmarks.md``). Results differ from
-``F.linear`` only by float rounding (the summation order differs).
+The paths (``PATHS``), each computing ``y = x @ W.T + b`` from the same weights:
 
-Half-precision weights on a CPU without native dot products for them (bfloat16 needs AVX512-BF16
-or AMX; float16 AMX-FP16) would run oneDNN's emulation, about 3.5x slower than float32 at a
-decode batch of 64 on an AVX-512 Xeon VM (``docs/benchmarks.md``). There the weights are widened
-to float32 once, at packing: every GEMM then multiplies the same bf16 values in float32 and
-rounds its output back to the activations' dtype, which is what oneDNN's bf16 kernels compute
-(float32 accumulation) at twice the weight memory. ``matmul_dtype`` makes that choice.
+- ``native``: oneDNN, the weight reordered once into the blocked layout its kernels read,
+  computing in the weights' own dtype (bfloat16: VDPBF16PS or AMX where the CPU has them,
+  emulated where not). ``F.linear`` on the plain ``[out, in]`` weight repacks it on every call.
+- ``float32``: oneDNN on the weights widened to float32 once (bfloat16 and float16 weights):
+  every GEMM multiplies the same half-precision values in float32 and rounds its output back to
+  the activations' dtype, which is what oneDNN's bf16 kernels compute (float32 accumulation), at
+  twice the weight memory. For float32 weights it is ``native``.
+- ``mkl``: ``torch.nn.functional.linear`` in float32 on the plain (widened) weight: MKL's sgemm,
+  which on some CPUs beats oneDNN (an Emerald Rapids Xeon at 64 rows, issue #33).
+- ``small-batch``: the compiled ``kernels.cpu_ops.CpuKernels.linear_bf16``, 1-4 rows of
+  bfloat16 weights read in place: a GEMM of a few rows is bound by the weight read, and this
+  reads half the bytes of a widened weight and skips oneDNN's per-call overhead.
 
-A decode step of a few sequences is bound by the weight read, not by the multiplications: there
-a ``SmallBatchLinear`` (the compiled ``kernels.cpu_ops.CpuKernels.linear_bf16``) reads the
-bfloat16 weights in place, whatever the GEMMs compute in. Against widened weights it reads half
-the bytes; against oneDNN's bfloat16 GEMM it saves the per-call overhead that dominates at one
-row of these small matrices (single-stream decode 40 -> 59 tok/s on the Xeon VM with
-``--cpu-matmul native``). The model then holds the plain bfloat16 weights beside the packed ones.
+Which path runs is a table per layer: one path per row bucket (``ROW_BUCKETS``), chosen by
+measurement at engine start (``services.engine.model.gemm_choice``) or forced by
+``--cpu-matmul``. A layer keeps only the weight formats its table uses. Results differ between
+paths only by float rounding (the summation order differs).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # (x [rows, in], weight [out, in], float32 bias or None) -> y [rows, out], or None where the
-# kernel does not take these inputs (then the packed GEMM runs).
+# kernel does not take these inputs.
 SmallBatchLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor | None]
+# x [rows, in] contiguous -> y [rows, out] (in any dtype; the layer casts), or None: declined.
+Gemm = Callable[[torch.Tensor], torch.Tensor | None]
 
+PATHS = ("native", "float32", "mkl", "small-batch")
+FORCEABLE_PATHS = PATHS[:3]  # the small-batch kernel takes 1-4 rows only: never the only path
+MATMUL_MODES = ("auto", *FORCEABLE_PATHS)
+SMALL_BATCH_MAX_ROWS = 4  # kernels.cpu_ops.LINEAR_MAX_ROWS (imported lazily by the engine)
+# Upper bounds of the row buckets a path is chosen for; rows above the last form one more.
+# 1 and 2-4: the small-batch kernel's range; 17-64: decode batches; 65+: prefill chunks (at
+# 256 rows and more every path is bound by arithmetic: one choice serves them all).
+ROW_BUCKETS = (1, 4, 16, 64)
+NUM_BUCKETS = len(ROW_BUCKETS) + 1
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-MATMUL_MODES = ("auto", "native", "float32")
+
+
+def bucket_of(rows: int) -> int:
+    """The index of the row bucket ``rows`` falls in."""
+    return bisect.bisect_left(ROW_BUCKETS, rows)
+
+
+def bucket_label(index: int) -> str:
+    """``1``, ``2-4`` ... ``257+``."""
+    low = 1 if index == 0 else ROW_BUCKETS[index - 1] + 1
+    if index == len(ROW_BUCKETS):
+        return f"{low}+"
+    high = ROW_BUCKETS[index]
+    return str(high) if low == high else f"{low}-{high}"
 
 
 def native_matmul(dtype: torch.dtype) -> bool:
@@ -47,34 +72,11 @@ def native_matmul(dtype: torch.dtype) -> bool:
     return True
 
 
-def matmul_dtype(weight_dtype: torch.dtype, mode: str = "auto") -> torch.dtype:
-    """The dtype the GEMMs of ``weight_dtype`` weights compute in: the weights' own (``native``),
-    float32 (``float32``: weights widened once), or ``auto``: native where ``native_matmul``."""
-    if mode not in MATMUL_MODES:
-        raise ValueError(f"matmul mode must be one of {MATMUL_MODES}, got {mode!r}")
-    if mode == "native" or (mode == "auto" and native_matmul(weight_dtype)):
-        return weight_dtype
-    return torch.float32
-
-
-def can_pack(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> bool:
-    """Whether ``weight`` can take the oneDNN path computing in ``compute_dtype`` (None: the
-    weight's own): a CPU matrix, computed in float32 or bfloat16."""
-    compute_dtype = compute_dtype or weight.dtype
-    return (
-        weight.device.type == "cpu"
-        and weight.is_floating_point()
-        and compute_dtype in _PACKABLE_DTYPES
-        and weight.dim() == 2
-        and onednn_supports(compute_dtype)
-    )
-
-
 @functools.cache
 def onednn_supports(dtype: torch.dtype) -> bool:
     """Whether this torch build and CPU run oneDNN's packed linear in ``dtype``. Asked once per
     dtype by packing a tiny matrix: oneDNN's bf16 path needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT),
-    which some VMs hide from the guest; those fall back to ``F.linear``."""
+    which some VMs hide from the guest."""
     mkldnn = torch.ops.mkldnn
     if not torch.backends.mkldnn.is_available() or not hasattr(mkldnn, "_linear_pointwise"):
         return False
@@ -87,72 +89,150 @@ def onednn_supports(dtype: torch.dtype) -> bool:
     return True
 
 
-class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W`` held in oneDNN's blocked layout (inference only), computed
-    in ``compute_dtype`` (None: the weight's dtype); the output has the input's dtype.
+def can_run(path: str, weight: torch.Tensor, has_small_batch: bool = False) -> bool:
+    """Whether ``path`` takes ``weight`` (a 2-D floating-point CPU matrix) on this CPU."""
+    if path not in PATHS:
+        raise ValueError(f"GEMM path must be one of {PATHS}, got {path!r}")
+    if weight.device.type != "cpu" or not weight.is_floating_point() or weight.dim() != 2:
+        return False
+    if path == "native":
+        return weight.dtype in _PACKABLE_DTYPES and onednn_supports(weight.dtype)
+    if path == "float32":
+        return onednn_supports(torch.float32)
+    if path == "small-batch":
+        return has_small_batch and weight.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0
+    return True  # mkl
 
-    ``small_batch``: for bfloat16 weights, a kernel that reads them in place for inputs of a
-    few rows (see the module's docstring); the plain weight tensor is then kept beside the
-    packed one."""
+
+def candidate_paths(weight: torch.Tensor, has_small_batch: bool = False) -> tuple[str, ...]:
+    """The paths worth timing for ``weight``: those it can run, without duplicates (float32
+    weights: ``float32`` is ``native``) or emulations (``native`` half precision without the
+    CPU's dot products: several times slower, issue #16)."""
+    paths = [p for p in PATHS if can_run(p, weight, has_small_batch)]
+    if weight.dtype == torch.float32 and "float32" in paths:
+        paths.remove("float32")
+    if "native" in paths and not native_matmul(weight.dtype):
+        paths.remove("native")
+    return tuple(paths)
+
+
+def make_gemm(
+    path: str,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    small_batch: SmallBatchLinear | None = None,
+) -> Gemm:
+    """``path``'s GEMM over ``weight`` and ``bias``, with the weight in the format it reads
+    (held by the returned function). A float32 weight for ``mkl`` is used as is: a tied LM head
+    stays shared with the embedding."""
+    if path in ("native", "float32"):
+        compute = weight.dtype if path == "native" else torch.float32
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute).contiguous(), None)
+        packed_bias = None if bias is None else bias.to(compute).clone()
+
+        def onednn(x: torch.Tensor) -> torch.Tensor:
+            x = x if x.dtype == compute else x.to(compute)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, packed_bias, "none", [], "")
+
+        return onednn
+    if path == "mkl":
+        plain = weight.float().contiguous()
+        plain_bias = None if bias is None else bias.float()
+
+        def mkl(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x.float(), plain, plain_bias)
+
+        return mkl
+    if path == "small-batch" and small_batch is not None:
+        kernel, bf16 = small_batch, weight.contiguous()
+        float_bias = None if bias is None else bias.float().contiguous()
+        return lambda x: kernel(x, bf16, float_bias)
+    raise ValueError(f"no GEMM for path {path!r}")
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` (inference only) on the GEMM path ``paths`` names for the input's row
+    count: one path for every row count, or one per row bucket (``ROW_BUCKETS``). The output
+    has the input's dtype. ``small_batch``: the kernel behind the ``small-batch`` path."""
 
     def __init__(
         self,
         linear: nn.Linear,
-        compute_dtype: torch.dtype | None = None,
+        paths: str | Sequence[str] = "native",
         small_batch: SmallBatchLinear | None = None,
     ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.compute_dtype = compute_dtype or linear.weight.dtype
-        # The compiled kernel reads bfloat16 weights only; others keep the packed GEMM.
-        self.small_batch = small_batch if linear.weight.dtype == torch.bfloat16 else None
+        self.paths = (paths,) * NUM_BUCKETS if isinstance(paths, str) else tuple(paths)
+        if len(self.paths) != NUM_BUCKETS:
+            raise ValueError(f"need one path per row bucket ({NUM_BUCKETS}), got {self.paths}")
+        if self.paths[-1] == "small-batch":
+            raise ValueError("the small-batch kernel takes at most 4 rows: not for every row count")
         with torch.no_grad():
-            weight = linear.weight.detach().to(self.compute_dtype).contiguous()
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-            bias = linear.bias
-            self.bias = None if bias is None else bias.detach().to(self.compute_dtype).clone()
-            # The kernel reads the plain weight (oneDNN's packed one is opaque) and adds a float32
-            # bias. A tied weight (the LM head's) stays shared with the embedding: no extra memory.
-            self.weight = linear.weight.detach().contiguous() if self.small_batch else None
-            self.small_batch_bias = (
-                None if bias is None or self.small_batch is None else bias.detach().float()
-            )
+            weight = linear.weight.detach()
+            bias = None if linear.bias is None else linear.bias.detach()
+            gemms = {p: make_gemm(p, weight, bias, small_batch) for p in set(self.paths)}
+        by_bucket = [gemms[p] for p in self.paths]
+        # A list indexed by the row count: the lookup costs nothing at one row.
+        self._by_rows = [by_bucket[bucket_of(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
+        self._large = by_bucket[-1]
+        # Where the small-batch kernel declines an input (never for the engine's own): the path
+        # of the first bucket it does not serve.
+        self._fallback = next(g for p, g in zip(self.paths, by_bucket) if p != "small-batch")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         x = x.reshape(-1, self.in_features)
-        if self.small_batch is not None and self.weight is not None:
-            y = self.small_batch(x, self.weight, self.small_batch_bias)
-            if y is not None:
-                return y.view(*shape[:-1], self.out_features)
-        if dtype != self.compute_dtype:
-            x = x.to(self.compute_dtype)  # a copy, so contiguous
-        elif not x.is_contiguous():
+        if not x.is_contiguous():
             x = x.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return y.to(dtype).view(*shape[:-1], self.out_features)
+        rows = x.shape[0]
+        gemm = self._by_rows[rows] if rows < len(self._by_rows) else self._large
+        y = gemm(x)
+        if y is None:
+            y = self._fallback(x)
+            assert y is not None  # only the small-batch kernel declines; the fallback is not it
+        if y.dtype != dtype:
+            y = y.to(dtype)
+        return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn, "
-            f"compute_dtype={self.compute_dtype}, small_batch={self.small_batch is not None}"
-        )
+        table = ", ".join(f"{bucket_label(i)}: {p}" for i, p in enumerate(self.paths))
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows={{{table}}}"
+
+
+# (the layer's name, its nn.Linear) -> its path per row bucket, or None: keep nn.Linear.
+PathChooser = Callable[[str, nn.Linear], Sequence[str] | None]
 
 
 def pack_linears(
-    module: nn.Module, mode: str = "auto", small_batch: SmallBatchLinear | None = None
+    module: nn.Module,
+    choose: PathChooser | str = "native",
+    small_batch: SmallBatchLinear | None = None,
+    prefix: str = "",
 ) -> int:
-    """Replace every packable ``nn.Linear`` under ``module`` by a ``PackedLinear`` computing in
-    ``matmul_dtype(weight dtype, mode)`` (with ``small_batch`` where its weights are bfloat16);
-    returns the number replaced. A tied weight (the LM head sharing the embedding) gets its own
-    packed copy; the embedding keeps the plain one."""
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear`` on the paths ``choose``
+    gives it (a path name: that one where the layer can run it); returns the number replaced."""
+    if isinstance(choose, str):
+        choose = forced(choose, small_batch is not None)
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, nn.Linear):
-            compute = matmul_dtype(child.weight.dtype, mode)
-            if can_pack(child.weight, compute):
-                setattr(module, name, PackedLinear(child, compute, small_batch))
+            paths = choose(prefix + name, child)
+            if paths is not None:
+                setattr(module, name, PackedLinear(child, paths, small_batch))
                 count += 1
         else:
-            count += pack_linears(child, mode, small_batch)
+            count += pack_linears(child, choose, small_batch, f"{prefix}{name}.")
     return count
+
+
+def forced(path: str, has_small_batch: bool = False) -> PathChooser:
+    """``path`` for every row count of every layer that can run it (``--cpu-matmul``); the
+    others keep ``nn.Linear``."""
+    if path not in FORCEABLE_PATHS:
+        raise ValueError(f"matmul mode must be one of {MATMUL_MODES}, got {path!r}")
+
+    def choose(name: str, linear: nn.Linear) -> Sequence[str] | None:
+        return (path,) * NUM_BUCKETS if can_run(path, linear.weight, has_small_batch) else None
+
+    return choose
