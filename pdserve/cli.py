@@ -103,6 +103,13 @@ class PlanConfig:
         "workers only (see docs/planning.md)",
     )
     json: bool = setting(False, "print the plan as JSON")
+    simulate: bool = setting(
+        False,
+        "check the best layouts and search the router's thresholds with the discrete-event "
+        "simulator (docs/simulator.md) at --rate",
+    )
+    sim_requests: int = setting(400, "with --simulate: requests in the simulated trace")
+    sim_seed: int = setting(0, "with --simulate: the trace's seed (the load tester's --seed)")
 
     def __post_init__(self) -> None:
         if (self.profile is None) == (not self.measure):
@@ -134,6 +141,7 @@ PLAN_GROUPS = {
     "profile": ("profile", "measure", "save_profile", "measuring"),
     "workload": ("preset", "isl", "osl", "input_scale", "output_scale", "rate"),
     "SLOs and budget": ("ttft_slo", "tpot_slo", "slo_stat", "cores", "shared_cores", "json"),
+    "simulation": ("simulate", "sim_requests", "sim_seed"),
 }
 
 
@@ -311,7 +319,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         profile = WorkerProfile.load(path)
     plan = make_plan(profile, workload, slo, config.cores, config.rate, config.shared_cores)
-    print(json.dumps(plan_dict(plan), indent=2) if config.json else format_plan(plan))
+    out = plan_dict(plan) if config.json else format_plan(plan)
+    if config.simulate:
+        from pdserve.sim.search import TraceSpec, check_dict, check_plan, format_check
+
+        spec = TraceSpec(
+            preset=config.preset,
+            isl=config.isl,
+            osl=config.osl,
+            input_scale=config.input_scale,
+            output_scale=config.output_scale,
+            num_requests=config.sim_requests,
+            seed=config.sim_seed,
+        )
+        check = check_plan(profile, plan, spec)
+        if isinstance(out, dict):
+            out["simulation"] = check_dict(check)
+        else:
+            out = "\n".join([out, *format_check(check, plan)])
+    print(json.dumps(out, indent=2) if isinstance(out, dict) else out)
     return 0
 
 

@@ -4,6 +4,7 @@ disaggregation decisions, block pools and leases, the recorded goodput sweep, an
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -189,3 +190,20 @@ def test_a_thousand_workers_in_seconds() -> None:
         result = simulate(trace, layout, profile)
         assert len(result.requests) == 3000
     assert time.perf_counter() - started < 60  # about 2 s on an idle core
+
+
+def test_pdserve_plan_simulate_checks_layouts_and_thresholds(capsys: pytest.CaptureFixture) -> None:
+    from pdserve.cli import main
+
+    args = ["plan", "--profile", str(ROOT / "benchmarks" / "profiles" / "epyc-2core.json")]
+    args += ["--preset", "chatbot", "--input-scale", "0.25", "--output-scale", "0.1"]
+    args += ["--ttft-slo", "492", "--tpot-slo", "153.3", "--cores", "2", "--rate", "2"]
+    assert main([*args, "--simulate", "--sim-requests", "120", "--json"]) == 0
+    check = json.loads(capsys.readouterr().out)["simulation"]
+    names = {layout["deployment"] for layout in check["layouts"]}
+    assert {"1P:1D", "2x colocated"} <= names and check["rate"] == 2
+    assert check["best"]["deployment"] in names  # chatbot at 2 req/s: every layout meets it
+    assert main([*args, "--shared-cores", "--simulate", "--sim-requests", "120"]) == 0
+    text = capsys.readouterr().out
+    assert "Simulated (pdserve.sim): 120 requests of chatbot at 2 req/s" in text
+    assert "Simulator's pick: " in text and "2 threads" not in text.split("Simulated")[1]
