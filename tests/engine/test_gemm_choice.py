@@ -181,3 +181,21 @@ def test_auto_packs_each_layer_with_its_shapes_table(tmp_path: Path) -> None:
 def test_row_buckets() -> None:
     assert [bucket_of(r) for r in (1, 2, 4, 5, 16, 17, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert [bucket_label(i) for i in range(NUM_BUCKETS)] == ["1", "2-4", "5-16", "17-64", "65+"]
+
+
+def test_a_workers_metrics_export_the_table(tmp_path: Path) -> None:
+    from prometheus_client import generate_latest
+
+    from services.engine.stats import EngineStats
+    from services.worker.metrics import WorkerMetrics
+
+    clock = FakeClock()
+    table = choose_paths(tiny_model(torch.float32), "auto", None, tmp_path, "cpu", clock,
+                         fake_maker(clock))  # fmt: skip
+    assert table is not None
+    metrics = WorkerMetrics("decode", EngineStats, gemm_paths=table.entries())
+    text = generate_latest(metrics.registry).decode()
+    for shape, rows, path in table.entries():
+        line = f'pdserve_gemm_path_info{{path="{path}",rows="{rows}",shape="{shape}"}} 1.0'
+        assert line in text
+    assert text.count("pdserve_gemm_path_info{") == 2 * NUM_BUCKETS

@@ -58,7 +58,7 @@ from services.engine.model.packed_linear import (
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # of the cache file: part of its key
+FORMAT = 2  # of the cache file and how it is measured: part of its key
 TIE_TOLERANCE = 0.03
 MIN_SAMPLES, MAX_SAMPLES = 3, 16  # timed calls of each path per row bucket
 SAMPLE_FLOPS = 1e9  # fewer calls where they are long: about this many flops per path
