@@ -175,7 +175,10 @@ class Worker:
         self.simulation = load_profile(config.simulate) if config.simulate else None
         self.engine = LLMEngine(engine_config, self.simulation)
         self.async_engine = AsyncEngine(self.engine)
-        self.metrics = WorkerMetrics(config.role, self.async_engine.stats)
+        table = self.engine.gemm_table
+        self.metrics = WorkerMetrics(
+            config.role, self.async_engine.stats, gemm_paths=table.entries() if table else ()
+        )
         self.transfer_metrics = kvtransfer.TransferMetrics(self.metrics.registry)
         cfg = self.engine.model_config
         self.layout = KVLayout(

@@ -10,7 +10,7 @@ compares the two).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -31,11 +31,22 @@ class WorkerMetrics:
         role: str,
         stats: Callable[[], EngineStats],
         registry: CollectorRegistry | None = None,
+        gemm_paths: Sequence[tuple[str, str, str]] = (),
     ):
+        """``gemm_paths``: (layer shape, row bucket, path) of the engine's CPU GEMMs."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         Gauge("pdserve_worker_info", "Constant 1, labelled with the worker's pool", ["pool"],
               registry=r).labels(pool=role).set(1)  # fmt: skip
+        paths = Gauge(
+            "pdserve_gemm_path_info",
+            "Constant 1 per CPU GEMM shape (outxin) and row bucket, labelled with the path the "
+            "engine runs it on",
+            ["shape", "rows", "path"],
+            registry=r,
+        )
+        for shape, rows, path in gemm_paths:
+            paths.labels(shape=shape, rows=rows, path=path).set(1)
         self.requests = Counter(
             "pdserve_requests",
             "Requests a worker ended, by outcome: finished, pinned (prefill: KV handed over), "
