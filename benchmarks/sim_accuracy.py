@@ -7,16 +7,23 @@ Poisson gaps for seed 0) on the same layout, and ``loadtest.metrics.compute`` sc
 the same SLOs (TTFT, TPOT, each request's ITL p99). Printed: predicted vs recorded TTFT p50/p99,
 TPOT p50, goodput, and the error in %.
 
-Two columns of predictions:
+The step times come from one of two profiles of this machine's kind (``--profile``):
 
-- **raw**: the committed profile (``benchmarks/profiles/epyc-2core.json``) as it is. The sweep
-  was measured on an Intel Xeon VM, the profile on an AMD EPYC VM: its step times are not that
-  machine's.
+- ``linear`` (the default): the simulated workers' fitted profiles,
+  ``benchmarks/profiles/sim-epyc-1thread-smollm2.json`` (1-thread workers) and
+  ``sim-epyc-2core-smollm2.json`` (the 2-thread worker of 1xcoloc);
+- ``curves``: the measured ``benchmarks/profiles/epyc-2core.json`` read as ``pdserve plan``
+  reads it (piecewise-linear, decode made monotone in the batch).
+
+Two columns of predictions each:
+
+- **raw**: the profile as it is. The sweep was measured on an Intel Xeon VM, the profiles on an
+  AMD EPYC VM: their step times are not that machine's.
 - **calibrated**: the profile's prefill and decode times scaled by two factors per thread count,
   fitted only on the sweep's *unloaded* rows (3 requests one at a time per configuration), never
   on the loaded rows it is then compared with.
 
-    python benchmarks/sim_accuracy.py [--markdown]   # about a minute
+    python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown]   # seconds
 """
 
 from __future__ import annotations
@@ -38,10 +45,17 @@ from loadtest.arrivals import Schedule  # noqa: E402
 from pdserve.profile import ThreadProfile, WorkerProfile  # noqa: E402
 from pdserve.sim.cluster import Layout, simulate  # noqa: E402
 from pdserve.sim.results import metrics_of  # noqa: E402
-from pdserve.sim.timing import WorkerTiming, timing_from_worker_profile  # noqa: E402
+from pdserve.sim.timing import (  # noqa: E402
+    WorkerTiming,
+    timing_from_simulation_profile,
+    timing_from_worker_profile,
+)
 from pdserve.sim.trace import trace_from_samples  # noqa: E402
+from services.engine.simulation_profile import SimulationProfile, StepTimeModel  # noqa: E402
+from services.worker.simulation import load_profile  # noqa: E402
 
 PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
+LINEAR = {1: "sim-epyc-1thread-smollm2", 2: "sim-epyc-2core-smollm2"}
 NUM_PROMPTS = {"chatbot": 24, "mixed": 16, "summarization": 10}
 # The SLOs of the recorded run (ms): TTFT, TPOT, each request's ITL p99.
 SLOS = {
@@ -113,17 +127,43 @@ def scaled_curve(curve: ThreadProfile, prefill: float, decode: float) -> ThreadP
     return ThreadProfile(curve.num_threads, curve.prefill_tokens, seconds, points)
 
 
-def timing(
-    profile: WorkerProfile, config: str, scales: dict[int, tuple[float, float]]
-) -> WorkerTiming:
+def scaled_linear(profile: SimulationProfile, prefill: float, decode: float) -> SimulationProfile:
+    s = profile.step
+    step = StepTimeModel(
+        base_s=s.base_s * decode,
+        prefill_token_s=s.prefill_token_s * prefill,
+        prefill_pair_s=s.prefill_pair_s * prefill,
+        decode_seq_s=s.decode_seq_s * decode,
+        decode_context_s=s.decode_context_s * decode,
+    )
+    return replace(profile, step=step)
+
+
+@dataclass(frozen=True)
+class Profiles:
+    """The step times: ``curves`` (a measured WorkerProfile) or ``linear`` (per thread count, a
+    simulated worker's profile)."""
+
+    kind: str
+    curves: WorkerProfile
+    linear: dict[int, SimulationProfile]
+
+    @classmethod
+    def load(cls, kind: str) -> Profiles:
+        linear = {1: load_profile(LINEAR[1]), 2: load_profile(LINEAR[2])}
+        return cls(kind, WorkerProfile.load(PROFILE), linear)
+
+
+def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float]]) -> WorkerTiming:
     threads = CONFIGS[config][1]
     a, b = scales.get(threads, (1.0, 1.0))
-    scaled = replace(
-        profile,
-        threads=[scaled_curve(c, a, b) for c in profile.threads if c.num_threads == threads],
-    )
     budget = 256 if config == "1xcoloc" else None
-    return timing_from_worker_profile(scaled, threads, budget)
+    if profiles.kind == "linear":
+        linear = scaled_linear(profiles.linear[threads], a, b)
+        return timing_from_simulation_profile(linear, max_num_batched_tokens=budget or 2048)
+    profile = profiles.curves
+    curves = [scaled_curve(c, a, b) for c in profile.threads if c.num_threads == threads]
+    return timing_from_worker_profile(replace(profile, threads=curves), threads, budget)
 
 
 @dataclass
@@ -137,10 +177,10 @@ class Row:
     tpot_p50: float
 
 
-def run(profile: WorkerProfile, preset: str, config: str, rate: float, scales: dict) -> Row:
+def run(profiles: Profiles, preset: str, config: str, rate: float, scales: dict) -> Row:
     samples = preset_workload(preset, NUM_PROMPTS[preset], 0.25, 0.1, 0)
     trace = trace_from_samples(samples, Schedule(rate=rate), seed=0)
-    result = simulate(trace, CONFIGS[config][0], timing(profile, config, scales))
+    result = simulate(trace, CONFIGS[config][0], timing(profiles, config, scales))
     ttft, tpot, itl = SLOS[preset]
     m = metrics_of(trace, result, {"ttft": ttft, "tpot": tpot, "itl_p99": itl})
     s = m.stats
@@ -155,19 +195,19 @@ def run(profile: WorkerProfile, preset: str, config: str, rate: float, scales: d
     )
 
 
-def unloaded(profile: WorkerProfile, preset: str, config: str, scales: dict) -> tuple[float, float]:
+def unloaded(profiles: Profiles, preset: str, config: str, scales: dict) -> tuple[float, float]:
     """The sweep's baseline: 3 requests (seed 1, each kind of mixed) one at a time."""
     samples = preset_workload(preset, 3, 0.25, 0.1, 1, even=True)
     trace = trace_from_samples(samples, Schedule(rate=1e-3, burstiness=float("inf")), seed=1)
-    m = metrics_of(trace, simulate(trace, CONFIGS[config][0], timing(profile, config, scales)))
+    m = metrics_of(trace, simulate(trace, CONFIGS[config][0], timing(profiles, config, scales)))
     return m.stats["median_ttft_ms"] or 0.0, m.stats["median_tpot_ms"] or 0.0
 
 
-def calibrate(profile: WorkerProfile) -> dict[int, tuple[float, float]]:
+def calibrate(profiles: Profiles) -> dict[int, tuple[float, float]]:
     """Per thread count: median measured/simulated unloaded TTFT and TPOT over the configs."""
     ratios: dict[int, list[tuple[float, float]]] = {}
     for (preset, config), (ttft, tpot) in UNLOADED.items():
-        sim_ttft, sim_tpot = unloaded(profile, preset, config, {})
+        sim_ttft, sim_tpot = unloaded(profiles, preset, config, {})
         ratios.setdefault(CONFIGS[config][1], []).append((ttft / sim_ttft, tpot / sim_tpot))
     return {
         t: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
@@ -182,10 +222,10 @@ def error(predicted: float, measured: float) -> str:
 METRICS = ("goodput", "ttft_p50", "ttft_p99", "tpot_p50")
 
 
-def compare(profile: WorkerProfile, scales: dict) -> list[tuple[tuple, tuple, Row, Row]]:
+def compare(profiles: Profiles, scales: dict) -> list[tuple[tuple, tuple, Row, Row]]:
     """Per recorded row: its key, the recorded figures, the raw and the calibrated prediction."""
     return [
-        (key, recorded, run(profile, *key, {}), run(profile, *key, scales))
+        (key, recorded, run(profiles, *key, {}), run(profiles, *key, scales))
         for key, recorded in RECORDED.items()
     ]
 
@@ -205,10 +245,11 @@ def median_errors(rows: list[tuple[tuple, tuple, Row, Row]]) -> dict[str, list[f
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print the docs' table")
+    parser.add_argument("--profile", choices=("linear", "curves"), default="linear")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    profile = WorkerProfile.load(PROFILE)
-    scales = calibrate(profile)
+    profiles = Profiles.load(args.profile)
+    scales = calibrate(profiles)
     print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
     for threads, (a, b) in sorted(scales.items()):
         print(f"  {threads} thread(s): prefill x{a:.2f}, decode x{b:.2f}")
@@ -216,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head if args.markdown else head.replace("|", " "))
     if args.markdown:
         print("|---|---|---|---|---|---|---|")
-    rows = compare(profile, scales)
+    rows = compare(profiles, scales)
     for (preset, config, rate), recorded, raw, cal in rows:
         cells = []
         for k, name in enumerate(METRICS):
