@@ -5,10 +5,16 @@ Measured, with all usable cores (torch threads):
 - memory read bandwidth: a sum over a 1 GiB float32 tensor (larger than any L3 here), and over
   the bfloat16 weights' size (what a single-stream decode step reads);
 - GEMM peak: the model's four per-layer linear layers (qkv 576->960, o, gate_up 576->3072, down)
-  at M rows, through oneDNN with weights packed once (what the engine runs), in float32 and in
-  bfloat16 (native AVX512-BF16/AMX where the CPU has them, emulated where not), the bfloat16
-  weights widened to float32 (``--cpu-matmul float32``), and for up to 4 rows the compiled kernel
-  that reads the bfloat16 weights in place (``kernels/csrc/linear_bf16_cpu.c``).
+  at M rows, on every GEMM path this machine offers, whether the engine would choose it or not
+  (``services.engine.model.packed_linear``): oneDNN with weights packed once in float32 and in
+  bfloat16 (native AVX512-BF16/AMX where the CPU has them, emulated where not), bfloat16
+  weights widened to float32 for oneDNN and for MKL, plain ``torch.nn.functional.linear``
+  (MKL's sgemm) in float32, and for up to 4 rows the compiled kernel that reads bfloat16
+  weights in place (``kernels/csrc/linear_bf16_cpu.c``). The limits are the best of them: the
+  machine's, not the engine's.
+- beside them, the engine's own choice (``--cpu-matmul auto``: the path per layer shape and row
+  count it measured at start, read from its cache in ~/.cache/pdserve/kernels or measured now)
+  and the GFLOP/s of that choice.
 
 Then the limits: single stream, one decode step reads every weight once, so tokens/s <= bandwidth
 / weight bytes; at 64 sequences a step is GEMM-bound, so tokens/s <= GEMM peak / flops per token
@@ -26,7 +32,6 @@ import argparse
 import json
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -35,20 +40,33 @@ from torch import nn
 from tqdm import tqdm
 
 from kernels import cpu_ops
-from services.engine.config import default_num_threads
-from services.engine.model.packed_linear import PackedLinear, native_matmul, onednn_supports
+from services.engine.config import DEFAULT_CACHE_DIR, default_num_threads
+from services.engine.model.gemm_choice import GemmTable
+from services.engine.model.loader import load_model
+from services.engine.model.packed_linear import (
+    NUM_BUCKETS,
+    SMALL_BATCH_MAX_ROWS,
+    PackedLinear,
+    bucket_of,
+    can_run,
+    native_matmul,
+)
+from services.engine.model.source import resolve_model_dir
 
 LAYERS, HIDDEN, INTERMEDIATE, VOCAB = 30, 576, 1536, 49_152
 SHAPES = [(HIDDEN, 960), (HIDDEN, HIDDEN), (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN)]
 LAYER_PARAMS = LAYERS * sum(i * o for i, o in SHAPES)
 HEAD_PARAMS = HIDDEN * VOCAB  # the LM head (tied to the embedding)
 FLOPS_PER_TOKEN = 2 * (LAYER_PARAMS + HEAD_PARAMS)
-# label -> (weight dtype, compute dtype)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# label -> (weight dtype, path)
 KINDS = {
-    "float32": (torch.float32, torch.float32),
-    "bfloat16": (torch.bfloat16, torch.bfloat16),
-    "bfloat16 widened": (torch.bfloat16, torch.float32),
-    "bfloat16 in place (compiled, M<=4)": (torch.bfloat16, torch.float32),
+    "float32, oneDNN packed": ("float32", "native"),
+    "float32, MKL (F.linear)": ("float32", "mkl"),
+    "bfloat16, oneDNN bf16": ("bfloat16", "native"),
+    "bfloat16 widened, oneDNN": ("bfloat16", "float32"),
+    "bfloat16 widened, MKL (F.linear)": ("bfloat16", "mkl"),
+    "bfloat16 in place (ours, M<=4)": ("bfloat16", "small-batch"),
 }
 
 
@@ -57,22 +75,22 @@ def read_gib_s(num_bytes: int, repeats: int) -> float:
     return num_bytes / 2**30 / median_seconds(data.sum, repeats)
 
 
-def gemm_gflops(rows: int, kind: str, repeats: int) -> float | None:
-    """GFLOP/s of the four layer shapes at ``rows`` rows (four layers' worth); None where
-    oneDNN cannot run ``kind`` here."""
-    dtype, compute = KINDS[kind]
-    small_batch = None
-    if "compiled" in kind:
-        kernels = cpu_ops.load(Path(tempfile.mkdtemp()))
-        if kernels is None or rows > cpu_ops.LINEAR_MAX_ROWS:
-            return None
-        small_batch = kernels.linear_bf16
-    if not onednn_supports(compute):
+def gemm_gflops(
+    rows: int,
+    dtype: torch.dtype,
+    paths: list[str],
+    kernels: cpu_ops.CpuKernels | None,
+    repeats: int,
+) -> float | None:
+    """GFLOP/s of the four layer shapes at ``rows`` rows (four layers' worth), shape i on
+    ``paths[i]``; None where a path cannot run here (or the kernel is not built)."""
+    small_batch = kernels.linear_bf16 if kernels is not None else None
+    linears = [nn.Linear(i, o, bias=False).to(dtype) for i, o in SHAPES * 4]
+    if "small-batch" in paths and (small_batch is None or rows > SMALL_BATCH_MAX_ROWS):
         return None
-    layers = [
-        PackedLinear(nn.Linear(i, o, bias=False).to(dtype), compute, small_batch)
-        for i, o in SHAPES * 4
-    ]
+    if not all(can_run(p, x.weight, True) for p, x in zip(paths * 4, linears)):
+        return None
+    layers = [PackedLinear(x, every_row(p), small_batch) for p, x in zip(paths * 4, linears)]
     inputs = [torch.randn(rows, layer.in_features).to(dtype) for layer in layers]
 
     def forward() -> None:
@@ -82,6 +100,33 @@ def gemm_gflops(rows: int, kind: str, repeats: int) -> float | None:
     with torch.inference_mode():
         seconds = median_seconds(forward, repeats)
     return 4 * 2 * rows * sum(i * o for i, o in SHAPES) / seconds / 1e9
+
+
+def every_row(path: str) -> tuple[str, ...]:
+    """``path`` for each row bucket (the small-batch kernel only for the rows it takes)."""
+    if path != "small-batch":
+        return (path,) * NUM_BUCKETS
+    return tuple(path if bucket_of(4) >= b else "mkl" for b in range(NUM_BUCKETS))
+
+
+def engine_tables(kernels: cpu_ops.CpuKernels | None) -> dict[str, GemmTable | None]:
+    """The engine's path table for the default model in each dtype (its cache, or measured)."""
+    model_dir = resolve_model_dir(None, DEFAULT_CACHE_DIR)
+    small_batch = kernels.linear_bf16 if kernels is not None else None
+    tables = {}
+    for name, dtype in DTYPES.items():
+        model = load_model(
+            model_dir, dtype, "cpu", "auto", small_batch, DEFAULT_CACHE_DIR / "kernels"
+        )
+        tables[name] = model.gemm_table
+    return tables
+
+
+def chosen_paths(table: GemmTable | None, rows: int) -> list[str]:
+    """The engine's path for each of ``SHAPES`` at ``rows`` (native where it has no table)."""
+    if table is None:
+        return ["native"] * len(SHAPES)
+    return [table.paths[(o, i)][bucket_of(rows)] for i, o in SHAPES]
 
 
 def main() -> int:
@@ -101,18 +146,25 @@ def main() -> int:
         f"machine: {machine['cpu']}, {threads} threads, native bf16 dot products: "
         f"{machine['avx512_bf16']}"
     )
+    kernels = cpu_ops.load(DEFAULT_CACHE_DIR / "kernels")
+    tables = engine_tables(kernels)  # before timing: a first measurement must not overlap it
     weight_bytes = 2 * (LAYER_PARAMS + HEAD_PARAMS)
     rows = [int(r) for r in args.rows.split(",")]
-    kinds = list(KINDS)
-    with tqdm(total=2 + len(rows) * len(kinds), desc="measuring", file=sys.stderr) as bar:
+    engine_kinds = [f"engine's choice, {name}" for name in DTYPES]
+    with tqdm(total=2 + len(rows) * (len(KINDS) + 2), desc="measuring", file=sys.stderr) as bar:
         dram = read_gib_s(1 << 30, args.repeats)
         bar.update(1)
         weights_read = read_gib_s(weight_bytes, args.repeats)
         bar.update(1)
-        gemm: dict[str, dict[int, float | None]] = {k: {} for k in kinds}
-        for kind in kinds:
+        gemm: dict[str, dict[int, float | None]] = {k: {} for k in [*KINDS, *engine_kinds]}
+        for kind, (dtype, path) in KINDS.items():
             for m in rows:
-                gemm[kind][m] = gemm_gflops(m, kind, args.repeats)
+                gemm[kind][m] = gemm_gflops(m, DTYPES[dtype], [path], kernels, args.repeats)
+                bar.update(1)
+        for kind, (name, table) in zip(engine_kinds, tables.items()):
+            for m in rows:
+                paths = chosen_paths(table, m)
+                gemm[kind][m] = gemm_gflops(m, DTYPES[name], paths, kernels, args.repeats)
                 bar.update(1)
 
     print(
@@ -120,17 +172,28 @@ def main() -> int:
         f"{weight_bytes / 2**20:.0f} MiB (the bf16 weights)"
     )
     print(
-        f"\n{'GEMM GFLOP/s (oneDNN, packed)':<34}" + "".join(f"{'M=' + str(m):>10}" for m in rows)
+        f"\n{'GEMM GFLOP/s (4 layer shapes)':<36}" + "".join(f"{'M=' + str(m):>10}" for m in rows)
     )
-    for kind in kinds:
+    for kind in gemm:
         cells = "".join(f"{'n/a' if v is None else f'{v:.1f}':>10}" for v in gemm[kind].values())
         print(f"{kind:<36}{cells}")
+    print("\nthe engine's paths (--cpu-matmul auto) per layer shape and row count:")
+    for name, table in tables.items():
+        source = "none" if table is None else table.source
+        print(f"  {name} weights ({source}):")
+        for line in table.lines() if table else []:
+            print(f"    {line}")
     single = weights_read * 2**30 / weight_bytes
-    best64 = max(v for k in kinds if (v := gemm[k].get(64)) is not None) if 64 in rows else None
+    machine_kinds = list(KINDS)
+    best64 = (
+        max((v for k in machine_kinds if (v := gemm[k].get(64)) is not None), default=None)
+        if 64 in rows
+        else None
+    )
     print(f"\nsingle stream, bf16 weights read once per token: <= {single:.0f} tok/s")
     if best64:
         print(
-            f"64 sequences, GEMM-bound at {best64:.0f} GFLOP/s: "
+            f"64 sequences, GEMM-bound at {best64:.0f} GFLOP/s (the best path): "
             f"<= {best64 * 1e9 / FLOPS_PER_TOKEN:.0f} tok/s "
             f"({FLOPS_PER_TOKEN / 1e9:.2f} GFLOP per token)"
         )
@@ -141,6 +204,7 @@ def main() -> int:
         "machine": machine,
         "read_gib_s": {"1GiB": dram, "bf16_weights": weights_read},
         "gemm_gflops": {k: {str(m): v for m, v in by.items()} for k, by in gemm.items()},
+        "engine_paths": {n: t.to_json() if t else None for n, t in tables.items()},
         "limits_tok_s": {
             "single_stream": single,
             "batch64": None if not best64 else best64 * 1e9 / FLOPS_PER_TOKEN,
