@@ -101,6 +101,16 @@ def test_a_near_tie_goes_to_the_path_with_less_weight_memory() -> None:
     assert fastest({"small-batch": 1.01, "native": 1.0}) == "native"  # earlier in PATHS
 
 
+def test_a_path_one_bucket_would_use_gives_way_to_a_near_one_the_others_use() -> None:
+    """mkl wins 1 row by 5% over native, which every other bucket uses: native there (one copy
+    of the weights, not two); by 20% it keeps its bucket."""
+    others = [{"native": 1.0, "mkl": 2.0}] * 4
+    near = [{"native": 1.05, "mkl": 1.0}, *others]
+    assert gemm_choice.fewer_formats(["mkl"] + ["native"] * 4, near) == ("native",) * 5
+    far = [{"native": 1.2, "mkl": 1.0}, *others]
+    assert gemm_choice.fewer_formats(["mkl"] + ["native"] * 4, far)[0] == "mkl"
+
+
 def test_a_far_slower_path_stops_being_timed() -> None:
     """At 4 rows native costs 9x mkl (float32 weights' candidates): it stops after
     MIN_SAMPLES calls, mkl goes on to the full count."""

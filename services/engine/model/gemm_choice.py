@@ -11,12 +11,17 @@ rows), and the fastest serves the bucket. Details that keep this cheap and hones
 - weights are read from memory, as in a decode step where 30 layers' weights evict each other:
   each path cycles through copies of the weight, so that 1.5 times the L3 cache is read
   between two reads of one copy;
-- each call is timed, the paths take turns call by call, and a path's time is the lower
-  quartile of its calls: a shared machine's noise slows calls, it never speeds them up; a path
-  ``DROP_BEHIND`` times slower than the best after ``MIN_SAMPLES`` calls stops there;
+- each call is timed, the paths take turns call by call, and a path's time is its fastest call:
+  a shared machine's noise slows calls, it never speeds them up (every call reads a cold
+  weight, so no call is faster than the path). Even the lower quartile was noise on the busy
+  2-core VM: a parallel region waits for both threads, and with the cores taken each wake-up
+  waited a time slice (16 ms calls of a 60 us GEMM); a path ``DROP_BEHIND`` times slower than
+  the best after ``MIN_SAMPLES`` calls stops there;
 - a weight larger than ``MAX_TIMED_PARAMS`` (the LM head) is timed on its first output rows;
 - a path within ``TIE_TOLERANCE`` of the fastest, listed earlier in ``PATHS`` (less weight
-  memory), wins the tie, so that noise does not flip between equals.
+  memory), wins the tie, so that noise does not flip between equals; and a path only one bucket
+  would use gives way to one the other buckets use where that is within ``FORMAT_TOLERANCE``
+  (``fewer_formats``): every path holds its own copy of the weights.
 
 The result is cached per CPU (model and flags), torch version, thread count, weights' dtype,
 shapes and candidates: ``<cache-dir>/kernels/gemm-<hash>.json``; a second start reads it and
@@ -58,8 +63,9 @@ from services.engine.model.packed_linear import (
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # of the cache file and how it is measured: part of its key
+FORMAT = 3  # of the cache file and how it is measured: part of its key
 TIE_TOLERANCE = 0.03
+FORMAT_TOLERANCE = 0.10  # a bucket's own weight format must save more than this (see below)
 MIN_SAMPLES, MAX_SAMPLES = 3, 16  # timed calls of each path per row bucket
 SAMPLE_FLOPS = 1e9  # fewer calls where they are long: about this many flops per path
 DROP_BEHIND = 2.0  # after MIN_SAMPLES calls, a path this many times slower than the best stops
@@ -183,6 +189,23 @@ def timed_weight(linear: nn.Linear) -> torch.Tensor:
     return weight if out <= keep else weight[:keep]
 
 
+def fewer_formats(chosen: list[str], seconds: list[dict[str, float]]) -> tuple[str, ...]:
+    """``chosen`` with a path that only one bucket uses replaced by one the others use, where
+    that one is within ``FORMAT_TOLERANCE`` of it there: each path holds its own copy of the
+    weights, and a few percent on one bucket (noise, often) is not worth a second copy of a
+    large model's weights."""
+    paths = list(chosen)
+    for bucket, path in enumerate(paths):
+        others = set(paths[:bucket] + paths[bucket + 1 :])
+        if path in others:
+            continue
+        times = seconds[bucket]
+        near = [q for q in others if times.get(q, math.inf) <= times[path] * (1 + FORMAT_TOLERANCE)]
+        if near:
+            paths[bucket] = min(near, key=lambda q: times[q])
+    return tuple(paths)
+
+
 def format_bytes(path: str, weight: torch.Tensor) -> int:
     """Bytes of the weight format ``path`` reads (the widening paths: float32)."""
     itemsize = weight.element_size() if path in ("native", "small-batch") else 4
@@ -194,12 +217,6 @@ def num_samples(weight: torch.Tensor, rows: int) -> int:
     ``SAMPLE_FLOPS`` in all), at least ``MIN_SAMPLES``."""
     by_flops = int(SAMPLE_FLOPS // (2 * rows * weight.numel()))
     return max(MIN_SAMPLES, min(MAX_SAMPLES, by_flops))
-
-
-def lower_quartile(samples: list[float]) -> float:
-    """A path's time: a shared machine's noise makes calls slower, never faster, and the
-    minimum alone would reward one lucky call."""
-    return sorted(samples)[len(samples) // 4]
 
 
 def measure_shape(
@@ -242,10 +259,10 @@ def measure_shape(
                 if i == MIN_SAMPLES - 1:  # a path far behind even at its best is timed no more
                     best = min(min(samples[p]) for p in alive)
                     alive = [p for p in alive if min(samples[p]) <= DROP_BEHIND * best]
-            times = {p: lower_quartile(samples[p]) for p in samples}
+            times = {p: min(samples[p]) for p in samples}
             chosen.append(fastest({p: times[p] for p in alive}))
             seconds.append(times)
-    return tuple(chosen), seconds
+    return fewer_formats(chosen, seconds), seconds
 
 
 def measure(
