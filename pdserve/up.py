@@ -141,7 +141,7 @@ class UpConfig:
     simulate: str | None = setting(
         None,
         "simulated workers with this profile (docs/simulation.md): one process per role hosts "
-        "all of that role's workers, so --prefill 16 --decode 48 fits on a laptop",
+        "all of that role's workers, so --prefill 16 --decode 48 fits on 2 cores",
     )
     engine: EngineConfig = field(default_factory=EngineConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
