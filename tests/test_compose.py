@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -433,3 +434,42 @@ def test_compose_services_as_processes_serve_a_chat_completion(
         assert process.proc is not None
         assert process.proc.wait(timeout=grace) in clean[name], process.output_tail()
     print(f"compose-as-processes: {time.monotonic() - started:.1f}s")
+
+
+def test_compose_simulated_workers_as_processes() -> None:
+    """PDSERVE_SIMULATE and PDSERVE_SIMULATED_WORKERS (docs/simulation.md) reach the workers:
+    each container hosts three simulated workers, the first on the fixed ports (its healthcheck
+    passes), and the router lists all six and answers through them."""
+    worker = load_compose({})["x-worker"]
+    assert "./benchmarks/profiles:/opt/pdserve/profiles:ro" in worker["volumes"]
+    assert (ROOT / "benchmarks" / "profiles" / "sim-h100-llama3-8b.json").is_file()
+    profile = ROOT / "benchmarks" / "profiles" / "sim-h100-llama3-8b.json"  # the mount, here
+    env = {"PDSERVE_SIMULATE": str(profile), "PDSERVE_SIMULATED_WORKERS": "3"}
+    with tempfile.TemporaryDirectory() as workdir:
+        compose = ComposeAsProcesses(load_compose(env), Path(workdir))
+        try:
+            compose.start_redis()
+            for name in PDSERVE_SERVICES:
+                compose.spawn(name)
+            infos = {name: compose.processes[name].wait_ready(timeout=120) for name in WORKERS}
+            assert all(len(info["workers"]) == 3 for info in infos.values()), infos
+            for name in WORKERS:
+                compose.wait_healthy(name, timeout=10)
+            compose.wait_healthy("router", timeout=30)
+            url = f"http://127.0.0.1:{compose.envs['router']['PDSERVE_PORT']}/v1"
+            with urllib.request.urlopen(url + "/workers", timeout=10) as response:
+                workers = json.loads(response.read())["data"]
+            roles = sorted(w["role"] for w in workers if w["healthy"])
+            assert roles == ["decode"] * 3 + ["prefill"] * 3, workers
+            client = OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+            reply = client.chat.completions.create(
+                model=str(compose.processes["router"].info["model"]),
+                messages=[{"role": "user", "content": "Hello, simulated cluster!"}],
+                max_tokens=5,
+            )
+            assert reply.usage is not None and reply.usage.completion_tokens == 5
+        except BaseException:
+            compose.dump()
+            raise
+        finally:
+            compose.stop()
