@@ -20,6 +20,7 @@ tests skip, saying so, only where no kubectl can be found), then:
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -37,6 +38,7 @@ from kubernetes_validate.utils import latest_version
 
 from common.settings import env_name
 from pdserve import cli
+from services.engine.simulation_profile import SimulationProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -47,6 +49,7 @@ BUILDS = {
     "custom-metrics": K8S / "overlays" / "custom-metrics",
     "router-metrics": K8S / "overlays" / "router-metrics",
     "monitoring": K8S / "overlays" / "monitoring",
+    "simulated": K8S / "overlays" / "simulated",
 }
 GPU_BUILDS = ("gpu", "custom-metrics", "router-metrics")
 # Builds that scale the worker pools on pdserve's own metrics -> the HPA metric type they use.
@@ -243,7 +246,8 @@ def test_builds_contain_every_component(builds: dict[str, list[Object]]) -> None
         )
         assert set(objects_of(objects, "Service")) == services, name
         assert set(objects_of(objects, "HorizontalPodAutoscaler")) == set(POOLS)
-        assert set(objects_of(objects, "ConfigMap")) == {"pdserve-config"}
+        profiles = {"pdserve-profiles"} if name == "simulated" else set()
+        assert set(objects_of(objects, "ConfigMap")) == {"pdserve-config"} | profiles
         for obj in objects:
             if obj["kind"] != "Namespace":
                 assert obj["metadata"]["namespace"] == NAMESPACE, (name, obj["metadata"])
@@ -691,3 +695,31 @@ def test_prometheus_rule_carries_the_rules_file(builds: dict[str, list[Object]])
                 assert ("record" in entry) != ("alert" in entry), entry
                 if "for" in entry:
                     assert DURATION.match(entry["for"]), entry
+
+
+def test_simulated_overlay_mounts_the_profile_its_workers_simulate(
+    builds: dict[str, list[Object]],
+) -> None:
+    """k8s/overlays/simulated (docs/simulation.md): its profile is the repository's, mounted
+    where the workers' PDSERVE_SIMULATE points; 2 + 6 pods of 8 workers each."""
+    objects = builds["simulated"]
+    profiles = objects_of(objects, "ConfigMap")["pdserve-profiles"]["data"]
+    for name, text in profiles.items():
+        assert text == (ROOT / "benchmarks" / "profiles" / name).read_text(), f"{name}: stale copy"
+        SimulationProfile.from_dict(json.loads(text))
+    deployments = objects_of(objects, "Deployment")
+    autoscalers = objects_of(objects, "HorizontalPodAutoscaler")
+    for role, num_pods in (("prefill", 2), ("decode", 6)):
+        pod = deployments[role]["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        config = cli.worker_config_from_args(
+            role, parsed_command(container, container_env(container, pod, objects))
+        )
+        assert config.simulate is not None and config.simulated_workers == 8
+        [mount] = [m for m in container["volumeMounts"] if m["name"] == "profiles"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == "profiles"]
+        assert volume["configMap"]["name"] == "pdserve-profiles"
+        assert str(Path(config.simulate).parent) == mount["mountPath"]
+        assert Path(config.simulate).name in profiles
+        spec = autoscalers[role]["spec"]
+        assert spec["minReplicas"] == spec["maxReplicas"] == num_pods
