@@ -123,9 +123,9 @@ def lm_eval_run(lm_eval: Path, model: str, model_args: str, out: Path, limit: in
     # threads on a busy machine made each forward 25x slower (4 s for 20 tokens, measured).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     subprocess.run(command, check=True, env=env, stdout=sys.stderr)
-    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]
+    results = json.loads(newest(out, "results_*.json").read_text())["results"][TASK]
     logliks, choices = {}, {}
-    for line in next(out.rglob(f"samples_{TASK}_*.jsonl")).read_text().splitlines():
+    for line in newest(out, f"samples_{TASK}_*.jsonl").read_text().splitlines():
         sample = json.loads(line)
         logliks[sample["doc_id"]] = [float(r[0]) for r in sample["filtered_resps"]]
         choices[sample["doc_id"]] = sample["doc"]["choices"]
@@ -139,11 +139,17 @@ def through_gateway(lm_eval: Path, weights: Path, out: Path, args: argparse.Name
     try:
         model_args = (
             f"base_url={url}/v1/completions,model={served},tokenizer={weights},"
-            f"tokenizer_backend=huggingface,num_concurrent={args.num_concurrent},max_retries=1"
+            f"tokenizer_backend=huggingface,num_concurrent={args.num_concurrent},max_retries=1,"
+            f"tokenized_requests={not args.text_prompts}"
         )
         return lm_eval_run(lm_eval, "local-completions", model_args, out, args.limit)
     finally:
         stop_up(up)
+
+
+def newest(folder: Path, pattern: str) -> Path:
+    """The last file lm-eval wrote by that name (an --output folder keeps earlier runs')."""
+    return max(folder.rglob(pattern), key=lambda path: path.stat().st_mtime)
 
 
 def report(gateway: Run, hf: Run) -> None:
@@ -176,10 +182,23 @@ def main() -> None:
         "come back through the hand-off); conditional lets the decode worker compute short ones",
     )
     parser.add_argument("--num-concurrent", type=int, default=2, help="lm-eval's requests at once")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="keep lm-eval's results and samples here"
+    )
+    parser.add_argument(
+        "--text-prompts",
+        action="store_true",
+        help="send prompts as text (lm-eval's tokenized_requests=False): the gateway tokenizes "
+        "them, and must cut them where lm-eval's tokenizer did (default: token ids)",
+    )
     args = parser.parse_args()
+    from benchmarks.machine import machine_info
+
+    print(json.dumps(machine_info(1, lm_eval=LM_EVAL, command=sys.argv[1:])), flush=True)
     lm_eval = ensure_venv(args.venv)
     weights = model_dir()
-    with tempfile.TemporaryDirectory(prefix="lm-eval-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lm-eval-") as scratch:
+        tmp = args.output or Path(scratch)
         started = time.monotonic()
         gateway = through_gateway(lm_eval, weights, Path(tmp, "gateway"), args)
         print(f"gateway run: {time.monotonic() - started:.0f} s", flush=True)
