@@ -40,6 +40,7 @@ from protos import pdserve_pb2_grpc as pb_grpc
 from services.decode.service import DecodeService
 from services.engine.llm_engine import LLMEngine
 from services.engine.model.source import model_name
+from services.engine.tokenizer import Tokenizer
 from services.prefill.service import PrefillIdentity, PrefillService
 from services.registry import (
     Fingerprint,
@@ -159,10 +160,12 @@ def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fin
 class Worker:
     """Builds and runs everything a worker process serves."""
 
-    def __init__(self, config: WorkerConfig, standalone: bool = True):
+    def __init__(
+        self, config: WorkerConfig, standalone: bool = True, tokenizer: Tokenizer | None = None
+    ):
         """``standalone``: this worker is the process (it takes SIGTERM/SIGINT and prints the
         ready line); a process hosting several (simulated) workers passes False and does both
-        for all of them."""
+        for all of them, and shares one ``tokenizer`` among them."""
         self.config = config
         self.standalone = standalone
         self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
@@ -173,7 +176,7 @@ class Worker:
             cache = dataclasses.replace(engine_config.cache, shared_memory_path=self.shm_path)
             engine_config = dataclasses.replace(engine_config, cache=cache)
         self.simulation = load_profile(config.simulate) if config.simulate else None
-        self.engine = LLMEngine(engine_config, self.simulation)
+        self.engine = LLMEngine(engine_config, self.simulation, tokenizer)
         self.async_engine = AsyncEngine(self.engine)
         table = self.engine.gemm_table
         self.metrics = WorkerMetrics(

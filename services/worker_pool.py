@@ -43,7 +43,10 @@ def pool_configs(config: WorkerConfig) -> list[WorkerConfig]:
 
 async def host_workers(config: WorkerConfig) -> None:
     """Run ``config.simulated_workers`` workers on this loop until a signal drains them."""
-    workers = [Worker(c, standalone=False) for c in pool_configs(config)]
+    first, *rest = pool_configs(config)
+    workers = [Worker(first, standalone=False)]
+    shared = workers[0].engine.tokenizer  # one per process, not per worker
+    workers += [Worker(c, standalone=False, tokenizer=shared) for c in rest]
     tasks = [asyncio.create_task(w.run(), name=w.worker_id) for w in workers]
 
     def stop_all() -> None:

@@ -48,10 +48,16 @@ __all__ = ["LLMEngine", "PullPlan"]
 class LLMEngine:
     """Continuous-batching inference over a paged KV cache."""
 
-    def __init__(self, config: EngineConfig, simulation: SimulationProfile | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        simulation: SimulationProfile | None = None,
+        tokenizer: Tokenizer | None = None,
+    ):
         """``simulation``: a simulated engine (``SimulatedModel``: the profile's step times,
         deterministic tokens, its KV pool unless ``num_blocks`` is set); the weights are not
-        loaded, only the tokenizer and the model's config."""
+        loaded, only the tokenizer and the model's config. ``tokenizer``: one already loaded
+        for this model (the simulated workers of one process share one: 16 MB each)."""
         torch.set_num_threads(config.num_threads)
         self.config = config
         self.model_dir = resolve_model_dir(config.model, config.cache_path)
@@ -76,7 +82,9 @@ class LLMEngine:
             self.model = SimulatedModel(load_config(self.model_dir), simulation)
             num_blocks = cache.num_blocks or simulation.num_blocks(cache.block_size)
         mcfg = self.model.config
-        self.tokenizer = Tokenizer(config.tokenizer_dir(self.model_dir), mcfg.eos_token_ids)
+        self.tokenizer = tokenizer or Tokenizer(
+            config.tokenizer_dir(self.model_dir), mcfg.eos_token_ids
+        )
         self.pool = BlockPool(num_blocks, cache.block_size, cache.enable_prefix_caching)
         # A sequence alone must always fit in the pool, or preemption could never make room.
         self.max_model_len = min(
