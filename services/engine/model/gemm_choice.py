@@ -182,7 +182,7 @@ def fastest(seconds: dict[str, float]) -> str:
 def timed_weight(linear: nn.Linear) -> torch.Tensor:
     """The part of ``linear``'s weight that is timed: all of it, or the first output rows up to
     ``MAX_TIMED_PARAMS`` (a multiple of 64): a GEMM's rate is the same over more output columns
-    of the same input size, and the LM head's 49,152 would cost seconds at 512 rows."""
+    of the same input size, and the LM head's 49,152 would cost a second at 256 rows."""
     weight = linear.weight.detach()
     out, inp = weight.shape
     keep = max(64, MAX_TIMED_PARAMS // inp // 64 * 64)
@@ -280,6 +280,8 @@ def measure(
         table.dtype = dtype_name(linear.weight.dtype)
         paths = candidate_paths(linear.weight, small_batch is not None)
         table.names[shape] = names
+        if not paths:  # nothing runs it here: it keeps nn.Linear
+            continue
         if len(paths) == 1:
             table.paths[shape], table.seconds[shape] = (paths[0],) * NUM_BUCKETS, []
             continue
