@@ -6,7 +6,7 @@ questions made here, no dataset hub) twice: with ``--model local-completions`` a
 true, logprobs: 1`` completion, and with ``--model hf`` on the Hugging Face directory pdserve
 converted the default model's GGUF into (the same weights, float32). Prints both accuracies
 (acc, acc_norm), how often the two chose the same answer, and the largest difference between
-the two log-likelihoods of a choice.
+the two log-likelihoods of a choice; exits 1 when any chosen answer differs.
 
     python -m benchmarks.lm_eval_gateway                  # all 155 questions
     python -m benchmarks.lm_eval_gateway --limit 40       # the first 40
@@ -152,7 +152,8 @@ def newest(folder: Path, pattern: str) -> Path:
     return max(folder.rglob(pattern), key=lambda path: path.stat().st_mtime)
 
 
-def report(gateway: Run, hf: Run) -> None:
+def report(gateway: Run, hf: Run) -> bool:
+    """Print the comparison; whether both chose the same answer to every question."""
     docs = sorted(gateway.logliks)
     assert docs == sorted(hf.logliks), "the two runs scored different questions"
     print(f"\n{len(docs)} questions, {sum(len(hf.choices[d]) for d in docs)} choices")
@@ -160,12 +161,15 @@ def report(gateway: Run, hf: Run) -> None:
     for run, label in ((gateway, "gateway (local-completions)"), (hf, "transformers (hf)")):
         print(f"{label:>28} {run.acc:7.4f} {run.acc_norm:9.4f}")
     print(f"{'difference':>28} {gateway.acc - hf.acc:+7.4f} {gateway.acc_norm - hf.acc_norm:+9.4f}")
+    num_same = 0
     for norm, metric in ((False, "acc"), (True, "acc_norm")):
         a, b = gateway.picks(norm), hf.picks(norm)
         same = sum(a[d] == b[d] for d in docs)
         print(f"same answer chosen ({metric}): {same}/{len(docs)}")
+        num_same += same
     worst = max(abs(x - y) for d in docs for x, y in zip(gateway.logliks[d], hf.logliks[d]))
     print(f"largest log-likelihood difference: {worst:.2e}")
+    return num_same == 2 * len(docs)
 
 
 def main() -> None:
@@ -206,7 +210,8 @@ def main() -> None:
         hf_args = f"pretrained={weights},dtype=float32"
         hf = lm_eval_run(lm_eval, "hf", hf_args, Path(tmp, "hf"), args.limit)
         print(f"transformers run: {time.monotonic() - started:.0f} s", flush=True)
-    report(gateway, hf)
+    if not report(gateway, hf):
+        sys.exit("the gateway and transformers chose different answers")
 
 
 if __name__ == "__main__":
