@@ -28,6 +28,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -117,9 +118,10 @@ def router_series() -> set[Series]:
         ["--ttft-slo-seconds", "1", "--itl-slo-seconds", "0.1"]
     )
     config = cli.router_config_from_args(args)
-    # The routes that matter here never touch the tokenizer.
+    # The routes that matter here never tokenize; the app reads only the chat template.
+    tokenizer = SimpleNamespace(chat_template=None)
     model = ModelInfo(
-        "m", "m", tokenizer=None, tokenizer_hash="", max_model_len=1, longest_token_bytes=1
+        "m", "m", tokenizer=tokenizer, tokenizer_hash="", max_model_len=1, longest_token_bytes=1
     )  # type: ignore[arg-type]
     response = TestClient(create_app(Gateway(config, model))).get("/metrics")
     assert response.status_code == 200
