@@ -119,13 +119,16 @@ class Orchestrator:
     # -- the flow ------------------------------------------------------------------------------
 
     async def generate(self, sub: SubRequest) -> AsyncGenerator[Chunk, None]:
-        """Chunks of ``sub``; APIError before the first chunk, MidStreamError after it."""
+        """Chunks of ``sub``; APIError before the first chunk, MidStreamError after it.
+
+        A request for one token takes the whole hand-off: its first token (the prefill
+        worker's) is all of it, so a decode worker called early would pull for nothing."""
         route = RouteRequest(sub.prompt_token_ids, sub.cache_salt)
         if self.prefill_candidates():
             decode = await self.calls.choose("decode", self.decode_candidates(), route)
             if not (await self._decide(sub, route, decode)).remote:
                 stream = self._local(sub, route, decode)
-            elif self.config.stream_kv:
+            elif self.config.stream_kv and sub.params.max_tokens != 1:
                 stream = self._streamed(sub, route, decode)
             else:
                 stream = self._disaggregated(sub, route, decode)

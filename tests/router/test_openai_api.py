@@ -21,13 +21,21 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def disagg(redis_server):  # type: ignore[no-untyped-def]
-    with cluster(redis_server.url, ("prefill", "decode")) as (c, router):
+def disagg(pd_pair):  # type: ignore[no-untyped-def]
+    c = pd_pair.with_own_routers()
+    try:
+        router = c.add_router()
+        router.wait_ready(num_workers=2)
         yield c, router
         prefill, decode = c.workers
         assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0), (
             f"blocks leaked: prefill {blocks_in_use(prefill)}, decode {blocks_in_use(decode)}"
         )
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +176,24 @@ def test_logprobs(client):  # type: ignore[no-untyped-def]
     assert len(content) == chat.usage.completion_tokens
     assert "".join(e.token for e in content) == chat.choices[0].message.content
     assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)
+
+
+def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
+    # The prefill worker's first token is the whole answer: a decode worker called early (the
+    # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and
+    # be cancelled. The decode worker logs a line for every call it gets, by request id.
+    decode = disagg[0].workers[1]
+    ids = []
+    for prompt in PROMPTS:
+        response = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=1
+        )
+        assert response.choices[0].text == prompt + offline(llm, [prompt], max_tokens=1)[0].text
+        assert response.choices[0].finish_reason == "length"
+        ids.append(response.id)
+    time.sleep(1.0)  # a stray call would have ended and logged by now
+    log = decode.output_tail(400)
+    assert not [i for i in ids if i in log], f"the decode worker was called:\n{log[-2000:]}"
 
 
 def test_models_workers_and_metrics(disagg, client):  # type: ignore[no-untyped-def]
