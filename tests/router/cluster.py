@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +36,7 @@ class Cluster:
     prefix: str = field(default_factory=lambda: f"t{uuid.uuid4().hex[:8]}:")
     workers: list[WorkerProcess] = field(default_factory=list)
     routers: list[WorkerProcess] = field(default_factory=list)
+    owns_workers: bool = True  # False: a module's view of the shared pair (``pd_pair``)
 
     def worker_args(self, *extra: str) -> list[str]:
         return ["--redis-url", self.redis_url, "--redis-prefix", self.prefix, *extra]
@@ -55,14 +58,35 @@ class Cluster:
         process.start()
         return Router(process)
 
+    def with_own_routers(self) -> Cluster:
+        """These workers (and their prefix) with a list of routers of its own: ``stop()`` stops
+        those routers and leaves the workers running (a test module's view of ``pd_pair``)."""
+        return Cluster(self.redis_url, self.prefix, list(self.workers), owns_workers=False)
+
     def stop(self) -> None:
-        for process in [*self.routers, *self.workers]:
-            process.terminate(timeout=10)
+        """SIGTERM to the routers, then to every worker at once: each drains in ~2 s on 2 cores,
+        together rather than one after another."""
+        stop_all(self.routers)
+        stop_all(self.workers if self.owns_workers else [])
 
     def dump(self) -> None:
         for process in [*self.routers, *self.workers]:
             print(f"--- {process.role} {process.info.get('worker_id', '')} ---")
             print(process.output_tail())
+
+
+def stop_all(processes: list[WorkerProcess], timeout: float = 10.0) -> None:
+    """SIGTERM (drain) to every live process, then wait for each (SIGKILL after ``timeout``)."""
+    live = [p for p in processes if p.is_alive()]
+    for process in live:
+        process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in live:
+        assert process.proc is not None
+        try:
+            process.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 @dataclass

@@ -26,7 +26,6 @@ from tests.router.cluster import (
     Router,
     blocks_in_use,
     spawn_router,
-    spawn_workers,
     wait_until,
 )
 
@@ -45,10 +44,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    c = Cluster(redis_server.url)
+def stack(pd_pair: Cluster) -> Iterator[Stack]:
+    c = pd_pair.with_own_routers()  # the shared prefill and decode workers
     try:
-        spawn_workers(c, "prefill", "decode")
         s = Stack(c, spawn_router(c), spawn_router(c, "--log-format", "json", "--api-key", API_KEY))
         for process in [*c.workers, *c.routers]:
             process.wait_ready()

@@ -78,10 +78,9 @@ def test_always_and_unknown_policies() -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(redis_server) -> Iterator[tuple[Cluster, Router]]:  # type: ignore[no-untyped-def]
-    c = Cluster(redis_server.url)
+def cluster(pd_pair: Cluster) -> Iterator[tuple[Cluster, Router]]:
+    c = pd_pair.with_own_routers()  # the shared prefill and decode workers
     try:
-        c.add_workers("prefill", "decode")
         router = c.add_router(
             "--disaggregation",
             "conditional",

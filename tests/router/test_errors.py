@@ -34,7 +34,6 @@ from tests.router.cluster import (
     Router,
     blocks_in_use,
     spawn_router,
-    spawn_workers,
     wait_until,
 )
 
@@ -68,12 +67,11 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    """Workers and routers start together (the routers are ready long before the workers)."""
-    c = Cluster(redis_server.url)
+def stack(redis_server, pd_pair: Cluster) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    """Routers in front of the shared prefill and decode workers, and one with none."""
+    c = pd_pair.with_own_routers()
     nobody = Cluster(redis_server.url)  # its prefix never gets a worker
     try:
-        spawn_workers(c, "prefill", "decode")
         s = Stack(
             cluster=c,
             main=spawn_router(c, *TABLE_FLAGS),

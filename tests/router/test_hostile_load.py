@@ -25,7 +25,6 @@ from tests.router.cluster import (
     Router,
     blocks_in_use,
     spawn_router,
-    spawn_workers,
     wait_until,
 )
 
@@ -42,13 +41,12 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server, tmp_path_factory) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+def stack(pd_pair: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys = tmp_path_factory.mktemp("keys") / "keys.json"
     entries = [{"name": "honest", "key": HONEST}, {"name": "hostile", "key": HOSTILE}]
     keys.write_text(json.dumps(entries))
-    c = Cluster(redis_server.url)
+    c = pd_pair.with_own_routers()  # the shared prefill and decode workers
     try:
-        spawn_workers(c, "prefill", "decode")
         router = spawn_router(
             c, "--api-keys-file", str(keys), "--max-concurrency", "8", "--max-queue-wait", "20"
         )

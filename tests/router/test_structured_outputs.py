@@ -37,12 +37,12 @@ MAX_TOKENS = 96  # the schemas below are bounded well within it
 
 
 @pytest.fixture(scope="module")
-def routers(redis_server) -> Iterator[tuple[Router, Router]]:  # type: ignore[no-untyped-def]
-    """One prefill and one decode worker; a router that always disaggregates and one that
-    computes every prompt on the decode worker."""
-    c = Cluster(redis_server.url)
+def routers(pd_pair: Cluster) -> Iterator[tuple[Router, Router]]:
+    """One prefill and one decode worker (the shared pair); a router that always disaggregates
+    and one that computes every prompt on the decode worker."""
+    c = pd_pair.with_own_routers()
     try:
-        prefill, decode = c.add_workers("prefill", "decode")
+        prefill, decode = c.workers
         remote = c.add_router()
         local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
         remote.wait_ready(num_workers=2)

@@ -1,0 +1,46 @@
+"""The gateway tests' shared prefill + decode pair: starting one costs ~20 s on 2 cores, and
+most modules here need nothing else of their workers. Each module puts its own routers in front
+of it (``pd_pair.with_own_routers()``) and checks at its end that every KV block is back: the
+next module starts from the same baseline. The pair stops once the last gateway test is done
+(not at the end of the session: other directories start workers of their own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.router.cluster import Cluster
+
+SHARED = pytest.StashKey[Cluster]()
+LAST = pytest.StashKey[pytest.Item]()
+HERE = __file__.rpartition("/")[0] + "/"
+
+
+@pytest.fixture(scope="session")
+def pd_pair(redis_server, request: pytest.FixtureRequest) -> Iterator[Cluster]:  # type: ignore[no-untyped-def]
+    """One prefill and one decode worker (``SMALL``) under a prefix of their own."""
+    pair = Cluster(redis_server.url)
+    request.config.stash[SHARED] = pair
+    try:
+        pair.add_workers("prefill", "decode")
+        yield pair
+    except BaseException:
+        pair.dump()
+        raise
+    finally:
+        pair.stop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    """Stop the pair after the session's last gateway test (and its module's own checks)."""
+    yield
+    pair = item.config.stash.get(SHARED, None)
+    if pair is None:
+        return
+    if LAST not in item.config.stash:
+        mine = [i for i in item.session.items if str(i.path).startswith(HERE)]
+        item.config.stash[LAST] = mine[-1]
+    if item is item.config.stash[LAST]:
+        pair.stop()
