@@ -64,15 +64,17 @@ HERMES_CALL = (
 
 
 @pytest.fixture(scope="module")
-def routers(redis_server, tmp_path_factory) -> Iterator[dict[str, Router]]:  # type: ignore[no-untyped-def]
-    """One prefill and one decode worker; a router that always disaggregates ("pulled", the
-    model's own template: no tools shown) and one that computes every prompt on the decode
-    worker ("local", a template that shows tools, calls and results: TEMPLATE)."""
+def routers(
+    pd_pair: Cluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Router]]:
+    """One prefill and one decode worker (the shared pair); a router that always disaggregates
+    ("pulled", the model's own template: no tools shown) and one that computes every prompt on
+    the decode worker ("local", a template that shows tools, calls and results: TEMPLATE)."""
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
-    c = Cluster(redis_server.url)
+    c = pd_pair.with_own_routers()
     try:
-        prefill, decode = c.add_workers("prefill", "decode")
+        prefill, decode = c.workers
         remote = c.add_router()
         local = c.add_router(
             "--disaggregation",
