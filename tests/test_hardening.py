@@ -209,7 +209,19 @@ def test_a_client_leaving_before_the_first_token_cancels_the_prefill(up: Up) -> 
         head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         sock.sendall(head.encode() + body.encode())
         time.sleep(0.3)  # the prefill is running (11 chunks of 64 tokens); leave now
-    time.sleep(3)
+
+    def settled() -> bool:
+        """The router serves nothing and neither prefill worker runs or queues a request: a
+        prefill not cancelled would have ended (and been counted) by then."""
+        if router_metric(up, "pdserve_router_requests_in_flight"):
+            return False
+        names = ("pdserve_num_running", "pdserve_num_waiting")
+        return not any(worker_metric(up, f"prefill-{i}", m) for i in (0, 1) for m in names)
+
+    deadline = time.monotonic() + 30
+    while not settled():  # instead of a fixed 3 s, which a slow prefill could outlast
+        assert time.monotonic() < deadline, "the prefill workers never settled"
+        time.sleep(0.1)
     after = [
         worker_metric(up, f"prefill-{i}", "pdserve_requests_total", 'outcome="pinned"')
         for i in (0, 1)
