@@ -16,7 +16,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics import RouterMetrics, SlidingShare
-from tests.router.cluster import MODEL, Cluster, Router, cluster, wait_until
+from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
 
 POOLS = ("prefill", "decode", "colocated")
 PROMPT_TOKENS = 1000  # random ids: a prefill long enough to be seen; 63 of 128 KV blocks
@@ -80,13 +80,21 @@ class Routers:
 
 
 @pytest.fixture(scope="module")
-def disagg(redis_server) -> Iterator[tuple[Cluster, Routers]]:  # type: ignore[no-untyped-def]
-    with cluster(redis_server.url, ("prefill", "decode")) as (c, router):
+def disagg(pd_pair: Cluster) -> Iterator[tuple[Cluster, Routers]]:
+    c = pd_pair.with_own_routers()  # the shared prefill and decode workers
+    try:
+        router = c.add_router()
         tight_ttft = c.add_router("--ttft-slo-seconds", TINY, "--itl-slo-seconds", HUGE)
         tight_itl = c.add_router("--ttft-slo-seconds", HUGE, "--itl-slo-seconds", TINY)
-        for r in (tight_ttft, tight_itl):
+        for r in (router, tight_ttft, tight_itl):
             r.wait_ready(num_workers=2)
         yield c, Routers(router, tight_ttft, tight_itl)
+        assert wait_until(lambda: all(blocks_in_use(w) == 0 for w in c.workers))
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -45,10 +45,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
-    c, solo = Cluster(redis_server.url), Cluster(redis_server.url)
+def stack(redis_server, pd_pair: Cluster) -> Iterator[Stack]:  # type: ignore[no-untyped-def]
+    c, solo = pd_pair.with_own_routers(), Cluster(redis_server.url)  # c: the shared workers
     try:
-        spawn_workers(c, "prefill", "decode")
         spawn_workers(solo, "colocated")
         s = Stack(c, solo, spawn_router(c), spawn_router(c, *CONDITIONAL), spawn_router(solo))
         for process in [*c.workers, *solo.workers, *c.routers, *solo.routers]:
