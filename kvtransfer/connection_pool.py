@@ -1,11 +1,13 @@
 """Idle client connections per KV server, for transports that keep connections open (tcp, ucx).
 
 A pull takes an idle connection to its server (or opens one), sends its request and reads the
-reply header; a pooled connection the server has closed meanwhile fails at once, so that exchange
-is retried once on a fresh connection. After a complete pull the connection goes back; on any
-error it is closed, so a later pull never reads stale bytes. The pool is bounded twice: idle
-connections per server, and servers remembered (least recently used forgotten first, their
-connections closed), so prefill workers that come and go do not pile up dead sockets.
+reply header; a pooled connection the server has closed meanwhile fails at once, so that
+exchange is retried once on a fresh connection (never on another idle one: the server closes
+every connection idle for ``framing.IDLE_SECONDS``, so after a lull all of them are stale).
+After a complete pull the connection goes back; on any error it is closed, so a later pull never
+reads stale bytes. The pool is bounded twice: idle connections per server, and servers
+remembered (least recently used forgotten first, their connections closed), so prefill workers
+that come and go do not pile up dead sockets.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class ConnectionPool(Generic[C]):
         length) on a connection to ``key``; returns the connection, the payload length and the
         message of an OK reply. A refusal raises TransferError; the connection is then closed."""
         for attempt in range(2):
-            conn, reused = await self._acquire(key, timeout)
+            conn, reused = await self._acquire(key, timeout, fresh=attempt > 0)
             try:
                 status, message, payload_len = await exchange(conn)
             except ConnectionError:
@@ -93,7 +95,12 @@ class ConnectionPool(Generic[C]):
                 self._close(conn)
         self._idle.clear()
 
-    async def _acquire(self, key: Key, timeout: float) -> tuple[C, bool]:
+    async def _acquire(self, key: Key, timeout: float, fresh: bool = False) -> tuple[C, bool]:
+        """An idle connection to ``key`` (reused: True), else a new one; ``fresh``: a new one,
+        the idle ones closed (they are as old as the one that just failed)."""
+        if fresh:
+            for conn in self._idle.pop(key, []):
+                self._close(conn)
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()

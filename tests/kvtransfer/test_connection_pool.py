@@ -5,6 +5,7 @@ number of servers (a server that is gone is forgotten, its sockets closed)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import torch
 
@@ -64,5 +65,35 @@ def test_idle_connections_are_kept_for_a_bounded_number_of_servers():
             await client.close()
             for server in servers:
                 await server.stop()
+
+    asyncio.run(run())
+
+
+def test_after_a_lull_a_pull_connects_afresh_whatever_is_pooled():
+    """Every pooled connection to a server is dead (the server closes idle ones after
+    ``framing.IDLE_SECONDS``): the pull still succeeds, retried on a new connection, not on
+    another dead one (it failed that way: a decode worker recomputed the first prompt pulled
+    from each prefill worker after a minute's lull)."""
+
+    async def run() -> None:
+        cache = torch.randn(8, *LAYOUT.block_shape)
+        source = TensorBlockSource(cache, lease_seconds=30)
+        source.pin("r", [1, 2])
+        server = TcpKVServer(source, LAYOUT, token=TOKEN)
+        address = await server.start("127.0.0.1")
+        client = make_client("tcp", token=TOKEN)
+        try:
+            pulls = [client.pull(address, "r", [1, 2], LAYOUT, 10.0) for _ in range(3)]
+            await asyncio.gather(*pulls)  # at once: three connections, then pooled
+            host, port, _ = parse_address(address, "tcp")
+            pooled = client.connections._idle[(host, port)]
+            assert len(pooled) == 3
+            for sock in pooled:  # as the server's idle timeout leaves them: peer gone
+                sock.shutdown(socket.SHUT_RDWR)
+            await client.pull(address, "r", [1, 2], LAYOUT, 10.0)
+            assert len(client.connections._idle[(host, port)]) == 1  # the new one, pooled
+        finally:
+            await client.close()
+            await server.stop()
 
     asyncio.run(run())
