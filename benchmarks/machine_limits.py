@@ -84,6 +84,7 @@ def gemm_gflops(
 ) -> float | None:
     """GFLOP/s of the four layer shapes at ``rows`` rows (four layers' worth), shape i on
     ``paths[i]``; None where a path cannot run here (or the kernel is not built)."""
+    assert len(paths) == len(SHAPES), "one path per shape"  # zip would drop layers silently
     small_batch = kernels.linear_bf16 if kernels is not None else None
     linears = [nn.Linear(i, o, bias=False).to(dtype) for i, o in SHAPES * 4]
     if "small-batch" in paths and (small_batch is None or rows > SMALL_BATCH_MAX_ROWS):
@@ -159,7 +160,8 @@ def main() -> int:
         gemm: dict[str, dict[int, float | None]] = {k: {} for k in [*KINDS, *engine_kinds]}
         for kind, (dtype, path) in KINDS.items():
             for m in rows:
-                gemm[kind][m] = gemm_gflops(m, DTYPES[dtype], [path], kernels, args.repeats)
+                paths = [path] * len(SHAPES)
+                gemm[kind][m] = gemm_gflops(m, DTYPES[dtype], paths, kernels, args.repeats)
                 bar.update(1)
         for kind, (name, table) in zip(engine_kinds, tables.items()):
             for m in rows:
