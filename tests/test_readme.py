@@ -15,13 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.test_up import Up, stop
+from tests.test_up import start_up, stop
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = r"<!-- readme-{kind}: (\S+) -->\n```(\w+)\n(.*?)```"
@@ -46,15 +44,7 @@ def url():  # type: ignore[no-untyped-def]
     port = free_port()
     command = [sys.executable, "-m", "pdserve.cli", "serve", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--num-blocks", "128"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    up = Up(proc)
-    up.reader = threading.Thread(target=up.pump, daemon=True)
-    up.reader.start()
-    deadline = time.monotonic() + 180
-    while not up.summary_done.wait(0.2):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop(up, signal.SIGTERM)
-            pytest.fail(f"pdserve serve did not come up (exit {proc.returncode}):\n{up.output}")
+    up = start_up(command=command)
     assert f"pdserve is up: http://127.0.0.1:{port} " in up.output, up.output
     yield f"127.0.0.1:{port}"
     assert stop(up, signal.SIGINT) == 0, up.output

@@ -64,11 +64,11 @@ class Up:
         return {name: int(pid) for name, pid in found}
 
 
-def start_up(*args: str) -> Up:
-    """Start `pdserve up` and wait for its summary (the router's /ready answered 200)."""
-    proc = subprocess.Popen(
-        [*CLI, *SMALL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+def start_up(*args: str, command: list[str] | None = None) -> Up:
+    """Start `pdserve up` (or ``command``) and wait for its summary (the router's /ready
+    answered 200)."""
+    command = command or [*CLI, *SMALL, *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     up = Up(proc)
     up.reader = threading.Thread(target=up.pump, daemon=True)
     up.reader.start()
@@ -76,7 +76,7 @@ def start_up(*args: str) -> Up:
     while not up.summary_done.wait(0.2):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(up, signal.SIGTERM)
-            pytest.fail(f"pdserve up did not come up (exit {proc.returncode}):\n{up.output}")
+            pytest.fail(f"{command[3]} did not come up (exit {proc.returncode}):\n{up.output}")
     return up
 
 
