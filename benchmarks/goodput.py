@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import json
 import math
+import pickle
 import secrets
 import shlex
 import sys
@@ -97,9 +98,11 @@ DEFAULT_RATES = {
     "chatbot": [1.0, 2.0, 4.0],
     "mixed": [0.25, 0.5, 0.75],
     "summarization": [0.125, 0.25],
+    "codegen": [0.25, 0.5, 1.0],
 }
 # Requests per rate: fewer for the long presets keeps one invocation of all three under 30 min.
-DEFAULT_NUM_PROMPTS = {"chatbot": 24, "mixed": 16, "summarization": 10}
+DEFAULT_NUM_PROMPTS = {"chatbot": 24, "mixed": 16, "summarization": 10, "codegen": 16}
+PERCENTILES = (50.0, 90.0, 99.0)  # of TTFT, TPOT and ITL in every row
 ATTAINMENT_TARGET = 0.9  # "under SLO": at least this share of requests meets both SLOs
 # Prefix caching off: every rate resends the same prompts, which would otherwise skip prefill.
 WORKER_FLAGS = ["--heartbeat-seconds", "0.5", "--ttl-seconds", "2", "--kv-transport", "tcp"]
@@ -257,8 +260,6 @@ class Plan:
 
 def save_partial(out: dict[str, Any], path: Path = Path("/tmp/goodput_partial.pickle")) -> None:
     """The raw runs so far (a crash late in a long run loses nothing measured)."""
-    import pickle
-
     path.write_bytes(pickle.dumps(out))
 
 
@@ -350,7 +351,7 @@ def row_of(m: Metrics) -> dict[str, float]:
         **{
             f"{q}_{k}_ms": s[f"{'median' if q == 'p50' else q}_{k}_ms"]
             for k in ("ttft", "tpot", "itl")
-            for q in ("p50", "p99")
+            for q in ("p50", "p90", "p99")
         },
     }
 
@@ -369,11 +370,13 @@ def summarize(
         slos = slos_for(runs, args)
         unloaded = {
             name: {k: r[k] for k in ("p50_ttft_ms", "p50_tpot_ms")}
-            for name, r in ((n, row_of(compute(by["base"]))) for n, by in runs.items())
+            for name, r in (
+                (n, row_of(compute(by["base"], None, PERCENTILES))) for n, by in runs.items()
+            )
         }
         table = {
             name: {
-                f"{rate:g}": row_of(compute(by[f"{rate:g}"], slos, (50.0, 99.0))) for rate in rates
+                f"{rate:g}": row_of(compute(by[f"{rate:g}"], slos, PERCENTILES)) for rate in rates
             }
             for name, by in runs.items()
         }
@@ -514,6 +517,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="extra flags for every router, e.g. '--local-prefill-tokens 64' (one string)",
     )
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--from-raw",
+        type=Path,
+        help="re-summarize the raw runs a sweep saved (/tmp/goodput_partial.pickle)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.num_prompts, args.baseline_prompts = 10, 3
@@ -573,7 +581,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     print(describe_workload(plan, args))
     started = time.monotonic()
-    out, hol, phases = measure(plan)
+    if args.from_raw:
+        out, hol = pickle.loads(args.from_raw.read_bytes()), {}
+        phases: Phases = {name: {preset: {} for preset in plan.rates} for name in out}
+    else:
+        out, hol, phases = measure(plan)
     elapsed = time.monotonic() - started
     summary = summarize(out, plan, args, phases)
     for preset, result in summary.items():
