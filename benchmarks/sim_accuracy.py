@@ -59,7 +59,8 @@ from services.worker.simulation import load_profile  # noqa: E402
 
 PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
 LINEAR = {1: "sim-epyc-1thread-smollm2", 2: "sim-epyc-2core-smollm2"}
-X
+# benchmarks/goodput.py's output, kept: the run the simulator is checked against
+SWEEP = ROOT / "benchmarks" / "recorded" / "goodput-zen4.json"
 METRICS = ("goodput", "ttft_p50", "ttft_p90", "tpot_p50")
 SWEEP_KEYS = {
     "goodput": "goodput",
