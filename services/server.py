@@ -46,7 +46,6 @@ from services.registry import (
     Fingerprint,
     LoadSnapshot,
     RegistryConfig,
-    RegistryView,
     WorkerRecord,
     WorkerRegistration,
     file_digest,
@@ -55,7 +54,7 @@ from services.registry import (
 )
 from services.worker.async_engine import AsyncEngine
 from services.worker.config import WorkerConfig
-from services.worker.handles import HandleChecker
+from services.worker.handles import HandleChecker, PeerRecords
 from services.worker.metrics import WorkerMetrics
 from services.worker.simulation import load_profile, simulated_link_client
 
@@ -195,7 +194,7 @@ class Worker:
         self.prefill: PrefillService | None = None
         self.decode: DecodeService | None = None
         self.registration: WorkerRegistration | None = None
-        self.view: RegistryView | None = None
+        self.peers: PeerRecords | None = None  # decode: the records KV handles name
         self.registry_config: RegistryConfig | None = None
         if config.redis_url:
             self.registry_config = RegistryConfig(
@@ -305,10 +304,8 @@ class Worker:
                     cfg.kv_transport, token, metrics=self.transfer_metrics
                 )
             if self.registry_config is not None:  # KV handles must name registered workers
-                self.view = RegistryView(self.registry_config)
-                await self.view.refresh()
-                self.view.watch(cfg.heartbeat_seconds)
-            handles = HandleChecker(self.fingerprint.key(), self.view)
+                self.peers = PeerRecords(self.registry_config)
+            handles = HandleChecker(self.fingerprint.key(), self.peers)
             self.decode = DecodeService(
                 self.async_engine, client, self.layout, cfg, self.metrics, handles
             )
@@ -400,8 +397,8 @@ class Worker:
             await self.decode.close()
         if self.registration is not None:
             await self.registration.close()
-        if self.view is not None:
-            await self.view.close()
+        if self.peers is not None:
+            await self.peers.close()
         await self.async_engine.stop()
         if self.shm_path is not None:
             with contextlib.suppress(FileNotFoundError):

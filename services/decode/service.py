@@ -411,8 +411,8 @@ class DecodeService(pb_grpc.DecodeServiceServicer):
         """Close channels to prefill workers that left (runs for the worker's lifetime)."""
         while True:
             await asyncio.sleep(interval)
-            if self.handles.view is not None:
-                await self.channels.prune(self.handles.live_addresses())
+            if self.handles.records is not None:
+                await self.channels.prune(self.handles.live_addresses(interval))
 
     def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)

@@ -40,7 +40,7 @@ from services.registry import (
     read_record,
     record_proof,
 )
-from services.worker.handles import HandleChecker
+from services.worker.handles import HandleChecker, PeerRecords
 from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, cluster, wait_until
 from tests.services.test_registry import fast_config
 
@@ -361,23 +361,26 @@ def test_a_token_holding_view_lists_only_records_signed_with_the_token(
                     assert set(view.rejected) == set(forged)
                     assert "no proof" in view.rejected["forged-none"]
                     assert "does not match" in view.rejected["forged-copy"]
-                    # The decode side: a KV handle naming a forged prefill worker is refused.
-                    checker = HandleChecker(FP.key(), view)
-                    handle = pb.KVHandle(
-                        prefill_worker_id="forged-copy",
-                        address=reg.record.kv_address,
-                        release_address=trap,
-                        fingerprint=FP.key(),
-                    )
-                    assert await checker.rejection(handle) is not None
-                    assert trap not in checker.live_addresses()
-                    real = pb.KVHandle(
-                        prefill_worker_id="p1",
-                        address=reg.record.kv_address,
-                        release_address=reg.record.grpc_address,
-                        fingerprint=FP.key(),
-                    )
-                    assert await checker.rejection(real) is None
+                # The decode side: a KV handle naming a forged prefill worker is refused.
+                peers = PeerRecords(cfg)
+                checker = HandleChecker(FP.key(), peers)
+                handle = pb.KVHandle(
+                    prefill_worker_id="forged-copy",
+                    address=reg.record.kv_address,
+                    release_address=trap,
+                    fingerprint=FP.key(),
+                )
+                assert await checker.rejection(handle) is not None
+                assert trap not in checker.live_addresses(60.0)
+                real = pb.KVHandle(
+                    prefill_worker_id="p1",
+                    address=reg.record.kv_address,
+                    release_address=reg.record.grpc_address,
+                    fingerprint=FP.key(),
+                )
+                assert await checker.rejection(real) is None
+                assert checker.live_addresses(60.0) == {reg.record.grpc_address}
+                await peers.close()
             # A view without the token (an --insecure router) checks no proof.
             async with RegistryView(dataclasses.replace(cfg, cluster_token=None)) as open_view:
                 assert len(open_view.workers()) == 1 + len(forged)
