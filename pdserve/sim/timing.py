@@ -81,6 +81,7 @@ class WorkerTiming:
     kv_bytes_per_token: float
     transfer_latency_s: float
     transfer_bytes_per_s: float
+    prefill_first: bool = False  # steps with prompts carry no decodes (vLLM v0's scheduler)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)

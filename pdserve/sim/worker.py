@@ -12,10 +12,11 @@ pinned until the decode worker has pulled them (or the lease expires). A pulled 
 decode worker holds its blocks from admission, pulls (the cluster times the link), then decodes.
 
 One rule schedules a step (vLLM v1's and nano-vllm's): running decodes take one token each, then
-prompts take chunks from what is left of ``max_num_batched_tokens``. A decode that needs a new
-block when none is free preempts the newest running request (its blocks freed, its prompt
-recomputed later), as the real scheduler does. The step lasts what the profile says for what is
-in it; its tokens appear at its end.
+prompts take chunks from what is left of ``max_num_batched_tokens``. With ``prefill_first``
+(vLLM v0's rule) a step with prompts to compute carries only them, and decodes wait. A decode
+that needs a new block when none is free preempts the newest running request (its blocks freed,
+its prompt recomputed later), as the real scheduler does. The step lasts what the profile says
+for what is in it; its tokens appear at its end.
 """
 
 from __future__ import annotations
@@ -124,8 +125,13 @@ class SimWorker:
         return to_pull
 
     def plan_step(self) -> StepPlan:
-        """Decodes first (one token each, a block when one fills), then prompt chunks."""
+        """Decodes first (one token each, a block when one fills), then prompt chunks. With
+        ``timing.prefill_first`` (vLLM v0's scheduler) a step with prompts has no decodes."""
         budget = self.timing.max_num_batched_tokens
+        if self.timing.prefill_first:
+            chunks = self.plan_chunks(budget)
+            if chunks:
+                return StepPlan(chunks, [])
         decodes: list[SimRequest] = []
         block_size = self.timing.block_size
         prefill_role = self.role == "prefill"
@@ -137,7 +143,10 @@ class SimWorker:
             if request.num_blocks * block_size <= request.context and not self.make_room(request):
                 continue  # no room yet, or it was itself preempted
             decodes.append(request)
-        budget -= len(decodes)
+        return StepPlan(self.plan_chunks(budget - len(decodes)), decodes)
+
+    def plan_chunks(self, budget: int) -> list[tuple[SimRequest, int, int]]:
+        """Prompt chunks (request, start, tokens) from ``budget`` tokens, oldest first."""
         chunks = []
         for request in self.running:
             if budget <= 0:
@@ -147,7 +156,7 @@ class SimWorker:
             n = min(request.num_to_compute - request.num_computed, budget)
             chunks.append((request, request.num_computed, n))
             budget -= n
-        return StepPlan(chunks, decodes)
+        return chunks
 
     def make_room(self, request: SimRequest) -> bool:
         """A block for ``request``'s next token, preempting the newest running request while
