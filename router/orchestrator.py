@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from opentelemetry import trace
 
@@ -35,9 +36,34 @@ from router.metrics import RouterMetrics
 from router.policies import PolicyContext, PrefixIndex, RouteRequest, RoutingPolicy, make_policy
 from router.relay import Relay
 from router.worker_calls import Handoff, WorkerCalls
-from services.registry import RegistryView, Role, WorkerRecord
+from services.registry import ROLES, Fingerprint, RegistryView, Role, WorkerRecord
 
 WorkerFilter = Callable[[WorkerRecord], str | None]  # None: the router may use it, else why not
+
+
+@dataclass(frozen=True)
+class Pools:
+    """One registry refresh's routable workers (sorted by id), grouped the ways routing asks."""
+
+    routable: dict[Role, tuple[WorkerRecord, ...]]
+    # prefill workers that have a decode worker of their fingerprint, and the other way round
+    pairable: dict[Role, tuple[WorkerRecord, ...]]
+    by_fingerprint: dict[tuple[Role, Fingerprint], tuple[WorkerRecord, ...]]
+
+    @classmethod
+    def of(cls, view: RegistryView, accepts: WorkerFilter) -> Pools:
+        routable = {r: tuple(w for w in view.workers(r) if accepts(w) is None) for r in ROLES}
+        groups: dict[tuple[Role, Fingerprint], list[WorkerRecord]] = {}
+        partners: list[tuple[Role, Role]] = [("prefill", "decode"), ("decode", "prefill")]
+        for role, _ in partners:
+            for w in routable[role]:
+                groups.setdefault((role, w.fingerprint), []).append(w)
+        by_fingerprint = {key: tuple(workers) for key, workers in groups.items()}
+        pairable = {
+            role: tuple(w for w in routable[role] if (other, w.fingerprint) in by_fingerprint)
+            for role, other in partners
+        }
+        return cls(routable, pairable, by_fingerprint)
 
 
 class Orchestrator:
@@ -68,6 +94,8 @@ class Orchestrator:
         policies["prefill"] = make_policy(config.prefill_policy, context)
         policies["decode"] = make_policy(config.decode_policy, context)
         policies["colocated"] = make_policy(config.colocated_policy, context)
+        self._grouped = Pools.of(view, accepts)
+        self._pools_of = view.generation  # the view's generation _grouped was built from
 
     @property
     def in_flight(self) -> dict[str, int]:
@@ -83,21 +111,30 @@ class Orchestrator:
 
     def routable(self, role: Role) -> list[WorkerRecord]:
         """Live, not draining, serving this router's model with this router's tokenizer."""
-        return [w for w in self.view.workers(role) if self.accepts(w) is None]
+        return list(self._pools().routable[role])
 
     def prefill_candidates(self, decode: WorkerRecord | None = None) -> list[WorkerRecord]:
         """Prefill workers some decode worker (``decode``, when given) can pull from."""
+        pools = self._pools()
         if decode is None:
-            keys = {d.fingerprint for d in self.routable("decode")}
-            return [p for p in self.routable("prefill") if p.fingerprint in keys]
-        return [p for p in self.routable("prefill") if p.fingerprint == decode.fingerprint]
+            return list(pools.pairable["prefill"])
+        return list(pools.by_fingerprint.get(("prefill", decode.fingerprint), ()))
 
     def decode_candidates(self, prefill: WorkerRecord | None = None) -> list[WorkerRecord]:
         """Decode workers that can pull from ``prefill`` (any prefill worker, when None)."""
+        pools = self._pools()
         if prefill is None:
-            keys = {p.fingerprint for p in self.routable("prefill")}
-            return [d for d in self.routable("decode") if d.fingerprint in keys]
-        return [d for d in self.routable("decode") if d.fingerprint == prefill.fingerprint]
+            return list(pools.pairable["decode"])
+        return list(pools.by_fingerprint.get(("decode", prefill.fingerprint), ()))
+
+    def _pools(self) -> Pools:
+        """The view's routable workers grouped, once per registry refresh: a request asks for
+        candidates several times, and filtering hundreds of records each time grew the
+        router's cost per request with the number of workers."""
+        if self._pools_of != self.view.generation:
+            self._grouped = Pools.of(self.view, self.accepts)
+            self._pools_of = self.view.generation
+        return self._grouped
 
     def kv_usage(self, role: Role) -> float:
         """KV blocks in use over blocks in all, summed over the routable workers of ``role`` as

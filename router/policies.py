@@ -77,9 +77,11 @@ class PrefixIndex:
     async def _published(
         self, candidates: Sequence[WorkerRecord], hashes: list[int]
     ) -> dict[str, int]:
-        if self.view.is_stale or not any(w.kv_blocks_cached for w in candidates):
+        # Only the workers whose record says they cache blocks (the others have none of these):
+        # each one looked up costs Redis a command and the router its encoding, per request.
+        ids = [w.worker_id for w in candidates if w.kv_blocks_cached]
+        if self.view.is_stale or not ids:
             return {}
-        ids = [w.worker_id for w in candidates]
         return await self.view.prefix_match(ids, hashes, timeout=PREFIX_LOOKUP_SECONDS)
 
     def _remembered(self, worker: WorkerRecord, hashes: list[int]) -> int:

@@ -543,6 +543,8 @@ class WorkerRegistration:
         if self._is_closed:
             return False
         new = list(dict.fromkeys(hashes))[: self.config.max_prefix_hashes]
+        if self._prefix_synced and new == self._prefix_hashes:
+            return True  # nothing to send: the heartbeat keeps the set alive (or rewrites it)
         old = set(self._prefix_hashes) if self._prefix_synced else None
         self._prefix_hashes, self._prefix_synced = new, False
         try:
@@ -674,6 +676,10 @@ class RegistryView:
         self.config = config
         self._client = connect(config)
         self._records: dict[str, WorkerRecord] = {}
+        # The records sorted by id, built once per refresh: routing asks for them several times
+        # per request, and sorting every record each time grew its cost with the workers.
+        self._sorted: tuple[WorkerRecord, ...] = ()
+        self._generation = 0  # bumped by every refresh that installs records
         self._last_error: str | None = "not refreshed yet"
         self._refreshed_at: float | None = None  # time.monotonic() of the last good refresh
         self._run_id = ""  # Redis's run_id: a new one means Redis restarted and lost the records
@@ -701,6 +707,11 @@ class RegistryView:
     def num_rejected(self) -> int:
         """How many records the last refresh skipped as invalid or unsigned."""
         return len(self._rejected)
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever the records may have changed (what a reader caching them checks)."""
+        return self._generation
 
     @property
     def age_seconds(self) -> float | None:
@@ -757,7 +768,7 @@ class RegistryView:
         """Live workers of ``role`` (all roles if None), sorted by id; draining ones on request."""
         return [
             r
-            for _, r in sorted(self._records.items())
+            for r in self._sorted
             if (role is None or r.role == role) and (include_draining or not r.draining)
         ]
 
@@ -775,22 +786,20 @@ class RegistryView:
 
     def compatible_pairs(self) -> list[tuple[WorkerRecord, WorkerRecord]]:
         """Every (prefill, decode) pair of routable workers with equal fingerprints."""
-        return [
-            (p, d)
-            for p in self.workers("prefill")
-            for d in self.workers("decode")
-            if p.fingerprint == d.fingerprint
-        ]
+        decode = _by_fingerprint(self.workers("decode"))
+        return [(p, d) for p in self.workers("prefill") for d in decode.get(p.fingerprint, ())]
 
     def incompatible_pairs(self) -> list[tuple[WorkerRecord, WorkerRecord, str]]:
-        """Every (prefill, decode, reason) pair that will never be paired (for /v1/workers)."""
+        """Every (prefill, decode, reason) pair that will never be paired (for /v1/workers).
+        Compared per distinct fingerprint, not per pair: 75 x 225 workers of one model are one
+        comparison."""
+        prefill, decode = (_by_fingerprint(self.workers(r)) for r in ("prefill", "decode"))
         pairs = []
-        for p in self.workers("prefill"):
-            for d in self.workers("decode"):
-                reason = incompatibility_reason(p, d)
-                if reason is not None:
-                    pairs.append((p, d, reason))
-        return pairs
+        for pf, ps in prefill.items():
+            for df, ds in decode.items():
+                if pf != df:
+                    pairs += [(p, d, incompatibility_reason(p, d) or "") for p in ps for d in ds]
+        return sorted(pairs, key=lambda t: (t[0].worker_id, t[1].worker_id))
 
     async def prefix_match(
         self, worker_ids: Sequence[str], block_hashes: Sequence[int], timeout: float | None = None
@@ -833,6 +842,8 @@ class RegistryView:
         if now < self._grace_until:
             records = {**self._records, **records}
         self._records, self._run_id, self._last_error = records, run_id, None
+        self._sorted = tuple(r for _, r in sorted(records.items()))
+        self._generation += 1
         self._refreshed_at = now
 
     def _resolve(self, worker: WorkerRecord | str) -> WorkerRecord | str:
@@ -890,6 +901,13 @@ class RegistryView:
 
 
 _WORKER_ID = re.compile(r"[!-~]{1,256}")  # RecordModel.worker_id
+
+
+def _by_fingerprint(workers: Iterable[WorkerRecord]) -> dict[Fingerprint, list[WorkerRecord]]:
+    groups: dict[Fingerprint, list[WorkerRecord]] = {}
+    for w in workers:
+        groups.setdefault(w.fingerprint, []).append(w)
+    return groups
 
 
 def _shown(worker_id: str) -> str:
