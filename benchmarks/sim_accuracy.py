@@ -35,18 +35,20 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import numpy as np  # noqa: E402
 from goodput import preset_workload  # noqa: E402  (benchmarks/goodput.py: the sweep's trace)
 
 from loadtest.arrivals import Schedule  # noqa: E402
 from pdserve.profile import ThreadProfile, WorkerProfile  # noqa: E402
 from pdserve.sim.cluster import Layout, simulate  # noqa: E402
+from pdserve.sim.overheads import Overheads  # noqa: E402
 from pdserve.sim.results import metrics_of  # noqa: E402
 from pdserve.sim.timing import (  # noqa: E402
     WorkerTiming,
@@ -172,13 +174,26 @@ class Row:
 Scales = dict[int, tuple[float, float]]  # threads -> (prefill x, decode x)
 
 
-def run(profiles: Profiles, sweep: Sweep, key: tuple[str, str, float], scales: Scales) -> Row:
+@dataclass(frozen=True)
+class Calibration:
+    """What the unloaded rows measure: per thread count the profile's prefill and decode scale,
+    and the per-request cost outside the steps (``pdserve.sim.overheads``)."""
+
+    scales: Scales = field(default_factory=dict)
+    overheads: Overheads = Overheads()
+
+
+RAW = Calibration()
+
+
+def run(profiles: Profiles, sweep: Sweep, key: tuple[str, str, float], cal: Calibration) -> Row:
     preset, config, rate = key
     samples = preset_workload(
         preset, sweep.num_prompts[preset], sweep.input_scale, sweep.output_scale, 0
     )
     trace = trace_from_samples(samples, Schedule(rate=rate), seed=0)
-    result = simulate(trace, CONFIGS[config][0], timing(profiles, config, scales))
+    layout, worker = CONFIGS[config][0], timing(profiles, config, cal.scales)
+    result = simulate(trace, layout, worker, overheads=cal.overheads)
     m = metrics_of(trace, result, sweep.slos[preset])
     s = m.stats
     return Row(
@@ -202,16 +217,31 @@ def unloaded(
     return m.stats["median_ttft_ms"] or 0.0, m.stats["median_tpot_ms"] or 0.0
 
 
-def calibrate(profiles: Profiles, sweep: Sweep) -> Scales:
-    """Per thread count: median measured/simulated unloaded TTFT and TPOT over the configs."""
-    ratios: dict[int, list[tuple[float, float]]] = {}
-    for (preset, config), (ttft, tpot) in sweep.unloaded.items():
-        sim_ttft, sim_tpot = unloaded(profiles, sweep, preset, config, {})
-        ratios.setdefault(CONFIGS[config][1], []).append((ttft / sim_ttft, tpot / sim_tpot))
-    return {
-        t: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
-        for t, rs in ratios.items()
-    }
+def calibrate(profiles: Profiles, sweep: Sweep) -> Calibration:
+    """From the unloaded rows only. Decode: per thread count, the median measured/simulated
+    TPOT. Then every unloaded TTFT is ``hop + base + prefill x P`` (``base``, ``P``: the
+    simulated step's fixed and prompt parts, the decode scale applied): one least-squares fit
+    gives the hop (shared: the router and HTTP do not depend on the worker's threads) and a
+    prefill scale per thread count."""
+    ratios: dict[int, list[float]] = {}
+    for (preset, config), (_, tpot) in sweep.unloaded.items():
+        _, sim_tpot = unloaded(profiles, sweep, preset, config, {})
+        ratios.setdefault(CONFIGS[config][1], []).append(tpot / sim_tpot)
+    decode = {t: statistics.median(rs) for t, rs in ratios.items()}
+    threads = sorted(decode)
+    rows, targets = [], []
+    for (preset, config), (ttft, _) in sweep.unloaded.items():
+        t = CONFIGS[config][1]
+        full, half = (
+            unloaded(profiles, sweep, preset, config, {t: (p, decode[t])})[0] for p in (1.0, 0.5)
+        )
+        prompt = 2 * (full - half)  # the step's prompt part, linear in the prefill scale
+        rows.append([1.0] + [prompt if t == u else 0.0 for u in threads])
+        targets.append(ttft - (full - prompt))
+    solution = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
+    hop_ms = max(float(solution[0]), 0.0)
+    scales = {t: (float(solution[1 + i]), decode[t]) for i, t in enumerate(threads)}
+    return Calibration(scales, Overheads(request_s=hop_ms / 1000))
 
 
 def error(predicted: float, measured: float) -> str:
@@ -221,10 +251,10 @@ def error(predicted: float, measured: float) -> str:
 Compared = list[tuple[tuple[str, str, float], tuple[float, ...], Row, Row]]
 
 
-def compare(profiles: Profiles, sweep: Sweep, scales: Scales) -> Compared:
+def compare(profiles: Profiles, sweep: Sweep, cal: Calibration) -> Compared:
     """Per recorded row: its key, the recorded figures, the raw and the calibrated prediction."""
     return [
-        (key, recorded, run(profiles, sweep, key, {}), run(profiles, sweep, key, scales))
+        (key, recorded, run(profiles, sweep, key, RAW), run(profiles, sweep, key, cal))
         for key, recorded in sweep.recorded.items()
     ]
 
@@ -267,11 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     profiles, sweep = Profiles.load(args.profile), Sweep.load(args.sweep)
-    scales = calibrate(profiles, sweep)
+    cal = calibrate(profiles, sweep)
     print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
-    for threads, (a, b) in sorted(scales.items()):
+    for threads, (a, b) in sorted(cal.scales.items()):
         print(f"  {threads} thread(s): prefill x{a:.2f}, decode x{b:.2f}")
-    rows = compare(profiles, sweep, scales)
+    print(f"  per request outside the steps: {cal.overheads.request_s * 1000:.0f} ms")
+    rows = compare(profiles, sweep, cal)
     print_table(rows, args.markdown)
     print("median |error| over the rows (and the share of rows within 15%):")
     for name, values in relative_errors(rows).items():

@@ -15,6 +15,7 @@ import pytest
 from loadtest.arrivals import Schedule
 from loadtest.datasets import Sample
 from pdserve.sim.cluster import Layout, Simulation, simulate
+from pdserve.sim.overheads import Overheads
 from pdserve.sim.results import metrics_of
 from pdserve.sim.timing import WorkerTiming, timing_from_simulation_profile, with_limits
 from pdserve.sim.trace import Trace, TraceRequest, preset_trace, trace_from_samples
@@ -58,6 +59,18 @@ def test_one_request_takes_the_profiles_step_times() -> None:
     assert request.token_times[0] == pytest.approx(0.010 + 0.090)  # one prefill step
     gaps = [b - a for a, b in zip(request.token_times, request.token_times[1:])]
     assert gaps == pytest.approx([0.011] * 4)  # one decode step each
+
+
+def test_a_per_request_overhead_delays_the_first_token_not_the_gaps() -> None:
+    trace = fixed_trace([0.0, 0.05], 90, 5)  # the second prompt joins the first's decodes
+    plain = simulate(trace, Layout(num_colocated=1), timing()).requests
+    delayed = simulate(trace, Layout(num_colocated=1), timing(), overheads=Overheads(0.025))
+    first = delayed.requests[0]
+    assert first.token_times[0] - first.arrival_s == pytest.approx(0.025 + 0.100)
+    for a, b in zip(plain, delayed.requests):  # every arrival later alike: the run shifts
+        assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])
+    with pytest.raises(ValueError):
+        Overheads(request_s=-0.001)
 
 
 def test_mean_ttft_matches_the_md1_closed_form() -> None:
@@ -166,19 +179,27 @@ def test_same_seed_same_trace_same_result() -> None:
 
 def test_the_recorded_goodput_sweep_within_bounds() -> None:
     """benchmarks/sim_accuracy.py's check (docs/simulator.md) against the sweep recorded in
-    benchmarks/recorded/goodput-zen4.json: calibrated on its unloaded rows only, the simulator's
-    goodput, TTFT p50/p90 and TPOT p50 over its 44 loaded rows stay within these medians
-    (today: 9%, 13%, 19%, 9%)."""
+    benchmarks/recorded/goodput-zen4.json: calibrated on its unloaded rows only (profile scales
+    and the per-request overhead), the simulator's goodput, TTFT p50/p90 and TPOT p50 over its
+    44 loaded rows stay within these medians and shares of rows within 15% (today: medians 8%,
+    7%, 15%, 8%; shares 68%, 68%, 50%, 68%)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sim_accuracy
 
     profiles, sweep = sim_accuracy.Profiles.load("linear"), sim_accuracy.Sweep.load()
-    errors = sim_accuracy.relative_errors(
-        sim_accuracy.compare(profiles, sweep, sim_accuracy.calibrate(profiles, sweep))
-    )
-    bounds = {"goodput": 0.15, "ttft_p50": 0.15, "ttft_p90": 0.2, "tpot_p50": 0.15}
-    for metric, bound in bounds.items():
-        assert statistics.median(errors[f"{metric} cal"]) < bound, metric
+    cal = sim_accuracy.calibrate(profiles, sweep)
+    assert 0.005 < cal.overheads.request_s < 0.02  # measured from the unloaded rows: ~10 ms
+    errors = sim_accuracy.relative_errors(sim_accuracy.compare(profiles, sweep, cal))
+    bounds = {  # metric: (median |error| below, share of rows within 15% at least)
+        "goodput": (0.10, 0.6),
+        "ttft_p50": (0.10, 0.6),
+        "ttft_p90": (0.18, 0.45),
+        "tpot_p50": (0.10, 0.6),
+    }
+    for metric, (median, share) in bounds.items():
+        values = errors[f"{metric} cal"]
+        assert statistics.median(values) < median, metric
+        assert sum(v <= 0.15 for v in values) / len(values) >= share, metric
 
 
 def test_a_thousand_workers_in_seconds() -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.sim.overheads import Overheads
 from pdserve.sim.timing import WorkerTiming
 from pdserve.sim.trace import Trace
 from pdserve.sim.worker import SimRequest, SimWorker, StepPlan
@@ -108,7 +109,8 @@ class SimResult:
 
 
 class Simulation:
-    """One run of ``trace`` on ``layout``; ``timings`` per role (a role missing: ``timing``)."""
+    """One run of ``trace`` on ``layout``; ``timings`` per role (a role missing: ``timing``);
+    ``overheads``: the costs outside the steps (:mod:`pdserve.sim.overheads`; none by default)."""
 
     def __init__(
         self,
@@ -116,8 +118,10 @@ class Simulation:
         layout: Layout,
         timing: WorkerTiming,
         timings: dict[str, WorkerTiming] | None = None,
+        overheads: Overheads | None = None,
     ):
         self.trace, self.layout = trace, layout
+        self.overheads = overheads or Overheads()
         roles = {
             "prefill": layout.num_prefill,
             "decode": layout.num_decode,
@@ -152,8 +156,8 @@ class Simulation:
             SimRequest(r.index, r.arrival_s, r.prompt_tokens, r.output_tokens)
             for r in self.trace.requests
         ]
-        for request in requests:
-            self.push(request.arrival_s, ARRIVE, request)
+        for request in requests:  # its arrival_s stays the send time: TTFT counts the overhead
+            self.push(self.overheads.arrival(request.arrival_s), ARRIVE, request)
         while self.events:
             now, _, kind, payload = heapq.heappop(self.events)
             self.num_events += 1
@@ -321,10 +325,11 @@ def simulate(
     layout: Layout,
     timing: WorkerTiming,
     timings: dict[str, WorkerTiming] | None = None,
+    overheads: Overheads | None = None,
 ) -> SimResult:
     """Run ``trace`` on ``layout`` (see :class:`Simulation`)."""
     if not trace.requests:
         raise ValueError("an empty trace")
     if not all(math.isfinite(r.arrival_s) for r in trace.requests):
         raise ValueError("a trace needs finite arrival times")
-    return Simulation(trace, layout, timing, timings).run()
+    return Simulation(trace, layout, timing, timings, overheads).run()
