@@ -260,9 +260,11 @@ class Attempts:
         candidates = [w for w in self.candidates() if w.worker_id not in self.failed_ids]
         if not candidates:
             raise StopAsyncIteration
-        if self.next_choice is not None and self.next_choice in candidates:
-            worker = self.next_choice
-        else:
+        # The flow's choice while it is still a candidate, by id: its record may be from an
+        # earlier refresh, and comparing whole records costs microseconds per worker.
+        wanted = self.next_choice.worker_id if self.next_choice is not None else None
+        worker = next((w for w in candidates if w.worker_id == wanted), None)
+        if worker is None:
             worker = await self.calls.choose(self.pool, candidates, self.route)
         self.next_choice = None
         timeout = self.calls.time_left(self.sub)  # choosing may have taken some
