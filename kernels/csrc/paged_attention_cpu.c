@@ -8,12 +8,14 @@
  * attention, is halved.
  *
  * One work item is one (sequence, KV head) pair: its GQA group of query heads shares every key
- * and value row it reads, so the group reads each block together. Items are spread over OpenMP
- * threads. Built at first use by kernels/cpu_ops.py (cc -O3 -march=native -fopenmp) and loaded
- * after torch: the dynamic loader then binds this library's libgomp.so.1 to the copy torch
- * already loaded, so the kernel runs on torch's own worker threads. (A second thread pool, even
- * plain pthreads, competes on the same cores with torch's workers, which spin between ops: that
- * made the kernel 2x slower inside the engine than alone.)
+ * and value row it reads, so the group reads each block together. With a bfloat16 query and
+ * cache on a CPU with AVX-512 BF16 the scores come from VDPBF16PS on the rows as stored; a group
+ * of up to four heads sums the values with all its output rows in registers. Items are spread
+ * over OpenMP threads. Built at first use by kernels/cpu_ops.py (cc -O3 -march=native
+ * -fopenmp) and loaded after torch: the dynamic loader then binds this library's libgomp.so.1
+ * to the copy torch already loaded, so the kernel runs on torch's own worker threads. (A second
+ * thread pool, even plain pthreads, competes on the same cores with torch's workers, which spin
+ * between ops: that made the kernel 2x slower inside the engine than alone.)
  */
 #include <math.h>
 #include <omp.h>
@@ -22,6 +24,18 @@
 #include <string.h>
 
 #include "vec16.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* Pass 1 of a bfloat16 cache with a bfloat16 query, on CPUs with AVX-512 BF16: VDPBF16PS takes
+ * 32 bfloat16 pairs of the query and a key row and adds their products to 16 float32 lanes, so a
+ * 64-wide row costs two loads and two instructions per head, where widening it costs eight and
+ * a store and reload besides. The products are exact and summed in float32, as the widened path
+ * does, in another order. */
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 
 typedef struct {
     const void *query;         /* [num_seqs, num_heads, head_dim], contiguous */
@@ -99,13 +113,86 @@ ALWAYS_INLINE const float *rows16(const void *cache, int64_t index, int64_t toke
     return scratch;
 }
 
+#if HAVE_DPBF16
+/* Pass 1 with VDPBF16PS (above): `qbf16` holds the group's query rows in bfloat16, as the
+ * caller got them; `chunks` is even (rows of 32 bfloat16 pairs). Scores go where pass 1 puts
+ * them. */
+ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t head_offset,
+                                   int64_t len, int64_t row_bytes, const uint16_t *qbf16,
+                                   int64_t group, int64_t chunks, float *scores) {
+    const int64_t bs = job->block_size, dim = chunks * LANES, pairs = chunks / 2;
+    const uint16_t *cache = (const uint16_t *)job->key_cache;
+    for (int64_t start = 0; start < len; start += bs) {
+        const uint16_t *block = cache + table[start / bs] * job->block_stride + head_offset;
+        const int64_t rows = len - start < bs ? len - start : bs;
+        if (start + bs < len)
+            prefetch_rows(cache + table[start / bs + 1] * job->block_stride + head_offset,
+                          row_bytes);
+        for (int64_t first = 0; first < rows; first += LANES) {
+            const int64_t count = rows - first < LANES ? rows - first : LANES;
+            const uint16_t *keys = block + first * job->token_stride;
+            for (int64_t g = 0; g < group; g++) {
+                __m512bh qv[MAX_CHUNKS / 2];
+                for (int64_t c = 0; c < pairs; c++)
+                    qv[c] = (__m512bh)_mm512_loadu_si512(qbf16 + g * dim + c * 2 * LANES);
+                vec16 acc[LANES];
+                for (int64_t r = 0; r < LANES; r++) {
+                    __m512 sum = _mm512_setzero_ps();
+                    if (r < count)
+                        for (int64_t c = 0; c < pairs; c++)
+                            sum = _mm512_dpbf16_ps(
+                                sum, qv[c],
+                                (__m512bh)_mm512_loadu_si512(keys + r * job->token_stride +
+                                                             c * 2 * LANES));
+                    memcpy(&acc[r], &sum, sizeof sum);
+                }
+                const vec16 dots = sum_lanes16(acc) * job->scale;
+                memcpy(scores + g * len + start + first, &dots, sizeof(float) * (size_t)count);
+            }
+        }
+    }
+}
+#endif
+
+/* Pass 2 for a group of `group` (a constant, at most 4) heads: out[g] = sum over the context of
+ * p[g][t] * value[t], every output row in registers from the first value row to the last, and
+ * each value row widened once, in registers, for all the group's heads. The additions per
+ * output element come in the order of the tokens, as in the sixteen-row path. */
+ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t head_offset,
+                                int64_t len, int64_t row_bytes, const float *scores, float *out,
+                                int bf16, int64_t chunks, int64_t group) {
+    const int64_t bs = job->block_size;
+    vec16 acc[4][MAX_CHUNKS];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) acc[g][c] = (vec16){0};
+    for (int64_t start = 0; start < len; start += bs) {
+        const int64_t block = table[start / bs] * job->block_stride + head_offset;
+        const int64_t rows = len - start < bs ? len - start : bs;
+        if (start + bs < len)
+            prefetch_rows(at(job->value_cache,
+                             table[start / bs + 1] * job->block_stride + head_offset, bf16),
+                          row_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t row = block + r * job->token_stride;
+            for (int64_t c = 0; c < chunks; c++) {
+                const vec16 v = load(job->value_cache, row + c * LANES, bf16);
+                for (int64_t g = 0; g < group; g++) acc[g][c] += scores[g * len + start + r] * v;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++)
+            store(out, g * chunks * LANES + c * LANES, acc[g][c], 0);
+}
+
 /* Scores for `group` query heads over `len` tokens go to `scores[g * len + t]`; `q` and `out` are
  * float32 buffers of the group's query and output rows. Always inlined, with `bf16` and `chunks`
  * (head_dim / 16) constants: with a constant trip count the accumulators stay in registers (a
  * runtime count kept them in memory, every add waiting on the store before it: 3x slower). */
 static inline __attribute__((always_inline)) void attend_one(const Job *job, int64_t seq,
                                                              int64_t kv_head, float *scores,
-                                                             const float *q, float *out,
+                                                             const float *q,
+                                                             const uint16_t *qbf16, float *out,
                                                              int bf16, int64_t chunks) {
     const int64_t group = job->num_heads / job->num_kv_heads, dim = chunks * LANES;
     const int64_t bs = job->block_size;
@@ -118,40 +205,59 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
     memset(out, 0, sizeof(float) * group * dim);
     if (len <= 0) return;
 
+    float widened[LANES * MAX_CHUNKS * LANES]; /* 16 rows of a bfloat16 cache, widened once */
     /* Pass 1: scaled dot products, block by block (a block's rows for one head lie together),
      * sixteen keys at a time so that their sixteen horizontal sums share one shuffle tree. */
-    float widened[LANES * MAX_CHUNKS * LANES]; /* 16 rows of a bfloat16 cache, widened once */
-    for (int64_t start = 0; start < len; start += bs) {
-        const int64_t block = table[start / bs] * job->block_stride + head_offset;
-        const int64_t rows = len - start < bs ? len - start : bs;
-        if (start + bs < len)
-            prefetch_rows(at(job->key_cache,
-                             table[start / bs + 1] * job->block_stride + head_offset, bf16),
-                          row_bytes);
-        for (int64_t first = 0; first < rows; first += LANES) {
-            const int64_t count = rows - first < LANES ? rows - first : LANES;
-            int64_t stride;
-            const float *keys = rows16(job->key_cache, block + first * job->token_stride,
-                                       job->token_stride, count, chunks, widened, &stride, bf16);
-            for (int64_t g = 0; g < group; g++) {
-                const vec16 *qg = (const vec16 *)(q + g * dim);
-                vec16 acc[LANES];
-                for (int64_t r = 0; r < LANES; r++) {
-                    acc[r] = (vec16){0};
-                    if (r >= count) continue;
-                    for (int64_t c = 0; c < chunks; c++)
-                        acc[r] += qg[c] * load(keys, r * stride + c * LANES, 0);
+#if HAVE_DPBF16
+    if (bf16 && qbf16 != NULL && chunks % 2 == 0) {
+        dot_blocks_bf16(job, table, head_offset, len, row_bytes, qbf16, group, chunks, scores);
+    } else
+#endif
+    {
+        for (int64_t start = 0; start < len; start += bs) {
+            const int64_t block = table[start / bs] * job->block_stride + head_offset;
+            const int64_t rows = len - start < bs ? len - start : bs;
+            if (start + bs < len)
+                prefetch_rows(at(job->key_cache,
+                                 table[start / bs + 1] * job->block_stride + head_offset, bf16),
+                              row_bytes);
+            for (int64_t first = 0; first < rows; first += LANES) {
+                const int64_t count = rows - first < LANES ? rows - first : LANES;
+                int64_t stride;
+                const float *keys = rows16(job->key_cache, block + first * job->token_stride,
+                                           job->token_stride, count, chunks, widened, &stride,
+                                           bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    const vec16 *qg = (const vec16 *)(q + g * dim);
+                    vec16 acc[LANES];
+                    for (int64_t r = 0; r < LANES; r++) {
+                        acc[r] = (vec16){0};
+                        if (r >= count) continue;
+                        for (int64_t c = 0; c < chunks; c++)
+                            acc[r] += qg[c] * load(keys, r * stride + c * LANES, 0);
+                    }
+                    const vec16 dots = sum_lanes16(acc) * job->scale;
+                    memcpy(scores + g * len + start + first, &dots,
+                           sizeof(float) * (size_t)count);
                 }
-                const vec16 dots = sum_lanes16(acc) * job->scale;
-                memcpy(scores + g * len + start + first, &dots, sizeof(float) * (size_t)count);
             }
         }
     }
 
     for (int64_t g = 0; g < group; g++) softmax(scores + g * len, len);
 
-    /* Pass 2: weighted sum of the values, sixteen rows at a time (widened once for all the
-     * group's heads); each head's output row, in `out`, is held in registers over them. */
+    /* Pass 2: weighted sum of the values. A group of up to four heads keeps all its output
+     * rows in registers over the whole context and widens each value row once, in registers;
+     * a larger group goes sixteen rows at a time (widened once into `widened` for all its
+     * heads), one head's output row in registers at a time. */
+    switch (group) {
+#define WEIGH(G) weigh_values(job, table, head_offset, len, row_bytes, scores, out, bf16, chunks, G)
+    case 1: WEIGH(1); return;
+    case 2: WEIGH(2); return;
+    case 3: WEIGH(3); return;
+    case 4: WEIGH(4); return;
+#undef WEIGH
+    }
     for (int64_t start = 0; start < len; start += bs) {
         const int64_t block = table[start / bs] * job->block_stride + head_offset;
         const int64_t rows = len - start < bs ? len - start : bs;
@@ -180,24 +286,25 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
 /* head_dim 32, 64, 96 and 128 get a copy each; other multiples of 16 share a generic one. */
 #define BY_HEAD_DIM(BF16)                                                                      \
     switch (job->head_dim / LANES) {                                                           \
-    case 2: attend_one(job, seq, kv_head, scores, q, out, BF16, 2); break;                     \
-    case 4: attend_one(job, seq, kv_head, scores, q, out, BF16, 4); break;                     \
-    case 6: attend_one(job, seq, kv_head, scores, q, out, BF16, 6); break;                     \
-    case 8: attend_one(job, seq, kv_head, scores, q, out, BF16, 8); break;                     \
-    default: attend_one(job, seq, kv_head, scores, q, out, BF16, job->head_dim / LANES);        \
+    case 2: attend_one(job, seq, kv_head, scores, q, qbf16, out, BF16, 2); break;              \
+    case 4: attend_one(job, seq, kv_head, scores, q, qbf16, out, BF16, 4); break;              \
+    case 6: attend_one(job, seq, kv_head, scores, q, qbf16, out, BF16, 6); break;              \
+    case 8: attend_one(job, seq, kv_head, scores, q, qbf16, out, BF16, 8); break;              \
+    default: attend_one(job, seq, kv_head, scores, q, qbf16, out, BF16, job->head_dim / LANES);   \
     }
 
 static void attend_one_f32(const Job *job, int64_t seq, int64_t kv_head, float *scores,
-                           const float *q, float *out) {
+                           const float *q, const uint16_t *qbf16, float *out) {
     BY_HEAD_DIM(0)
 }
 
 static void attend_one_bf16(const Job *job, int64_t seq, int64_t kv_head, float *scores,
-                            const float *q, float *out) {
+                            const float *q, const uint16_t *qbf16, float *out) {
     BY_HEAD_DIM(1)
 }
 
-typedef void (*AttendFn)(const Job *, int64_t, int64_t, float *, const float *, float *);
+typedef void (*AttendFn)(const Job *, int64_t, int64_t, float *, const float *, const uint16_t *,
+                         float *);
 
 /* One work item: the group's query rows widened to float32, attended, the output stored in the
  * query's dtype. `buffer` holds the scores, then the float32 query and output rows. */
@@ -208,21 +315,13 @@ static void attend_item(const Job *job, AttendFn attend, int64_t item, float *bu
     const int64_t first = (seq * job->num_heads + kv_head * group) * job->head_dim;
     const int64_t size = group * job->head_dim;
     float *q = buffer + scores_floats, *out = q + size;
-    for (int64_t i = 0; i < size; i++) {
-        if (job->io_bf16) {
-            const uint32_t bits = (uint32_t)((const uint16_t *)job->query)[first + i] << 16;
-            memcpy(q + i, &bits, sizeof bits);
-        } else {
-            q[i] = ((const float *)job->query)[first + i];
-        }
-    }
-    attend(job, seq, kv_head, buffer, q, out);
-    for (int64_t i = 0; i < size; i++) {
-        if (job->io_bf16)
-            ((uint16_t *)job->out)[first + i] = to_bf16(out[i]);
-        else
-            ((float *)job->out)[first + i] = out[i];
-    }
+    /* head_dim is a multiple of 16: whole vectors in and out (bfloat16 rounded to nearest even) */
+    for (int64_t i = 0; i < size; i += LANES)
+        store(q, i, load(job->query, first + i, job->io_bf16), 0);
+    const uint16_t *qbf16 = job->io_bf16 ? (const uint16_t *)job->query + first : NULL;
+    attend(job, seq, kv_head, buffer, q, qbf16, out);
+    for (int64_t i = 0; i < size; i += LANES)
+        store(job->out, first + i, load(out, i, 0), job->io_bf16);
 }
 
 /* Whether every block the context lengths reach is in the table and in [0, num_blocks): the

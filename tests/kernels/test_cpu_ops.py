@@ -141,11 +141,14 @@ def test_bfloat16_cache_matches_float32_math_on_the_same_values(
     theirs = reference.paged_attention_decode(query16, key_cache, value_cache, tables, lens, 0.125)
     assert ours.dtype == torch.bfloat16
     torch.testing.assert_close(ours.float(), theirs.float(), atol=2e-2, rtol=2e-2)
-    # The kernel reads the bfloat16 query itself and rounds its float32 output once.
+    # The kernel reads the bfloat16 query itself and rounds its float32 output once. With AVX-512
+    # BF16 its dot products come from VDPBF16PS (the same exact products, summed in another
+    # order), so an output may land one bfloat16 step from the float32 query's.
     wide = kernel.paged_attention_decode(
         query16.float(), key_cache, value_cache, tables, lens, 0.125
     )
-    assert torch.equal(ours, wide.to(torch.bfloat16))
+    steps = ours.view(torch.int16).int() - wide.to(torch.bfloat16).view(torch.int16).int()
+    assert int(steps.abs().max()) <= (1 if torch.cpu._is_avx512_bf16_supported() else 0)
 
 
 def test_other_dtypes_and_head_dims_are_not_supported() -> None:
