@@ -26,6 +26,7 @@ Two columns of predictions each:
   on the loaded rows it is then compared with.
 
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
+        [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from loadtest.arrivals import Schedule  # noqa: E402
 from pdserve.profile import ThreadProfile, WorkerProfile  # noqa: E402
 from pdserve.sim.cluster import Layout, simulate  # noqa: E402
 from pdserve.sim.overheads import Overheads  # noqa: E402
+from pdserve.sim.padded_prefill import with_padded_prefill  # noqa: E402
 from pdserve.sim.results import metrics_of  # noqa: E402
 from pdserve.sim.timing import (  # noqa: E402
     WorkerTiming,
@@ -141,11 +143,19 @@ class Profiles:
     kind: str
     curves: WorkerProfile
     linear: dict[int, SimulationProfile]
+    padded_prefill: bool = (
+        True  # the engine's padded prefill attention (pdserve.sim.padded_prefill)
+    )
 
     @classmethod
-    def load(cls, kind: str) -> Profiles:
-        linear = {1: load_profile(LINEAR[1]), 2: load_profile(LINEAR[2])}
-        return cls(kind, WorkerProfile.load(PROFILE), linear)
+    def load(
+        cls,
+        kind: str,
+        linear_specs: tuple[str, str] = (LINEAR[1], LINEAR[2]),
+        padded_prefill: bool = True,
+    ) -> Profiles:
+        linear = {1: load_profile(linear_specs[0]), 2: load_profile(linear_specs[1])}
+        return cls(kind, WorkerProfile.load(PROFILE), linear, padded_prefill)
 
 
 def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float]]) -> WorkerTiming:
@@ -154,7 +164,8 @@ def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float
     budget = 256 if config == "1xcoloc" else None
     if profiles.kind == "linear":
         linear = scaled_linear(profiles.linear[threads], a, b)
-        return timing_from_simulation_profile(linear, max_num_batched_tokens=budget or 2048)
+        worker = timing_from_simulation_profile(linear, max_num_batched_tokens=budget or 2048)
+        return with_padded_prefill(worker) if profiles.padded_prefill else worker
     profile = profiles.curves
     curves = [scaled_curve(c, a, b) for c in profile.threads if c.num_threads == threads]
     return timing_from_worker_profile(replace(profile, threads=curves), threads, budget)
@@ -294,9 +305,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the docs' table")
     parser.add_argument("--profile", choices=("linear", "curves"), default="linear")
     parser.add_argument("--sweep", type=Path, default=SWEEP, help="goodput.py's JSON")
+    parser.add_argument(
+        "--linear",
+        nargs=2,
+        default=(LINEAR[1], LINEAR[2]),
+        metavar=("ONE_THREAD", "TWO_THREADS"),
+        help="the linear profiles (a name in benchmarks/profiles or a file) of 1 and 2 threads",
+    )
+    parser.add_argument(
+        "--no-padded-prefill",
+        action="store_true",
+        help="time every prefill as the profiles' causal path (pdserve.sim.padded_prefill)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    profiles, sweep = Profiles.load(args.profile), Sweep.load(args.sweep)
+    linear = tuple(args.linear)
+    profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill)  # type: ignore[arg-type]
+    sweep = Sweep.load(args.sweep)
     cal = calibrate(profiles, sweep)
     print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
     for threads, (a, b) in sorted(cal.scales.items()):
@@ -308,6 +333,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, values in relative_errors(rows).items():
         within = sum(v <= 0.15 for v in values) / len(values)
         print(f"  {name:14s} {statistics.median(values) * 100:5.1f}%   within 15%: {within:.0%}")
+    print("calibrated, per configuration: median |error| (share within 15%)")
+    for config in CONFIGS:
+        errors = relative_errors([row for row in rows if row[0][1] == config])
+        cells = [
+            f"{m} {statistics.median(v) * 100:.0f}% ({sum(x <= 0.15 for x in v) / len(v):.0%})"
+            for m in METRICS
+            for v in [errors[f"{m} cal"]]
+        ]
+        print(f"  {config:12s} " + "  ".join(cells))
     print(f"simulated in {time.perf_counter() - started:.1f} s")
     return 0
 

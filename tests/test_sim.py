@@ -16,6 +16,7 @@ from loadtest.arrivals import Schedule
 from loadtest.datasets import Sample
 from pdserve.sim.cluster import Layout, Simulation, simulate
 from pdserve.sim.overheads import Overheads
+from pdserve.sim.padded_prefill import PaddedPrefillCost, with_padded_prefill
 from pdserve.sim.results import metrics_of
 from pdserve.sim.timing import WorkerTiming, timing_from_simulation_profile, with_limits
 from pdserve.sim.trace import Trace, TraceRequest, preset_trace, trace_from_samples
@@ -71,6 +72,21 @@ def test_a_per_request_overhead_delays_the_first_token_not_the_gaps() -> None:
         assert b.token_times == pytest.approx([t + 0.025 for t in a.token_times])
     with pytest.raises(ValueError):
         Overheads(request_s=-0.001)
+
+
+def test_prompts_sharing_a_step_pay_the_padded_attention() -> None:
+    """The engine pads prefill attention unless one fresh prompt is alone in its step."""
+    linear = StepTimeModel(0.01, 0.001, 1e-6, 0.001, 0.0)
+    cost = PaddedPrefillCost(linear, pair_s=1e-6, ratio=0.5)
+    assert cost.seconds([(0, 100)], [50, 60]) == linear.seconds([(0, 100)], [50, 60])
+    two = linear.seconds([(0, 100), (0, 40)], []) + 1e-6 * (
+        0.5 * 2 * 100 * 100 - 100 * 50.5 - 40 * 20.5
+    )
+    assert cost.seconds([(0, 100), (0, 40)], []) == pytest.approx(two)
+    chunk = linear.seconds([(200, 100)], []) + 1e-6 * (0.5 * 100 * 300 - 100 * 250.5)
+    assert cost.seconds([(200, 100)], []) == pytest.approx(chunk)  # a later chunk: padded too
+    padded = with_padded_prefill(timing(), ratio=0.5)
+    assert isinstance(padded.step, PaddedPrefillCost) and padded.step.pair_s == STEP.prefill_pair_s
 
 
 def test_mean_ttft_matches_the_md1_closed_form() -> None:
@@ -180,9 +196,9 @@ def test_same_seed_same_trace_same_result() -> None:
 def test_the_recorded_goodput_sweep_within_bounds() -> None:
     """benchmarks/sim_accuracy.py's check (docs/simulator.md) against the sweep recorded in
     benchmarks/recorded/goodput-zen4.json: calibrated on its unloaded rows only (profile scales
-    and the per-request overhead), the simulator's goodput, TTFT p50/p90 and TPOT p50 over its
-    44 loaded rows stay within these medians and shares of rows within 15% (today: medians 8%,
-    7%, 15%, 8%; shares 68%, 68%, 50%, 68%)."""
+    and the per-request overhead; the engine's padded prefill attention), the simulator's
+    goodput, TTFT p50/p90 and TPOT p50 over its 44 loaded rows stay within these medians and
+    shares of rows within 15% (today: medians 7%, 8%, 11%, 8%; shares 77%, 73%, 57%, 68%)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sim_accuracy
 
@@ -191,9 +207,9 @@ def test_the_recorded_goodput_sweep_within_bounds() -> None:
     assert 0.005 < cal.overheads.request_s < 0.02  # measured from the unloaded rows: ~10 ms
     errors = sim_accuracy.relative_errors(sim_accuracy.compare(profiles, sweep, cal))
     bounds = {  # metric: (median |error| below, share of rows within 15% at least)
-        "goodput": (0.10, 0.6),
-        "ttft_p50": (0.10, 0.6),
-        "ttft_p90": (0.18, 0.45),
+        "goodput": (0.10, 0.7),
+        "ttft_p50": (0.10, 0.65),
+        "ttft_p90": (0.14, 0.5),
         "tpot_p50": (0.10, 0.6),
     }
     for metric, (median, share) in bounds.items():
