@@ -12,15 +12,16 @@ error in %.
 The step times come from one of two profiles of this machine's kind (``--profile``):
 
 - ``linear`` (the default): the simulated workers' fitted profiles,
-  ``benchmarks/profiles/sim-epyc-1thread-smollm2.json`` (1-thread workers) and
-  ``sim-epyc-2core-smollm2.json`` (the 2-thread worker of 1xcoloc);
+  ``benchmarks/profiles/sim-zen4-1thread-smollm2.json`` (1-thread workers) and
+  ``sim-zen4-2core-smollm2.json`` (the 2-thread worker of 1xcoloc), fitted to
+  ``zen4-2core.json`` (``pdserve plan --measure`` on the sweep's machine, quiet);
 - ``curves``: the measured ``benchmarks/profiles/epyc-2core.json`` read as ``pdserve plan``
   reads it (piecewise-linear, decode made monotone in the batch).
 
 Two columns of predictions each:
 
-- **raw**: the profile as it is (measured on another, slower EPYC VM: its step times are not
-  this machine's);
+- **raw**: the profile as it is (measured alone, one engine step at a time: the sweep's steps
+  share the cores with the router, Redis and the load generator);
 - **calibrated**: the profile's prefill and decode times scaled by two factors per thread count,
   fitted only on the sweep's *unloaded* rows (3 requests one at a time per configuration), never
   on the loaded rows it is then compared with.
@@ -62,7 +63,7 @@ from services.engine.simulation_profile import SimulationProfile, StepTimeModel 
 from services.worker.simulation import load_profile  # noqa: E402
 
 PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
-LINEAR = {1: "sim-epyc-1thread-smollm2", 2: "sim-epyc-2core-smollm2"}
+LINEAR = {1: "sim-zen4-1thread-smollm2", 2: "sim-zen4-2core-smollm2"}
 # benchmarks/goodput.py's output, kept: the run the simulator is checked against
 SWEEP = ROOT / "benchmarks" / "recorded" / "goodput-zen4.json"
 METRICS = ("goodput", "ttft_p50", "ttft_p90", "tpot_p50")
