@@ -113,6 +113,20 @@ ALWAYS_INLINE const float *rows16(const void *cache, int64_t index, int64_t toke
     return scratch;
 }
 
+/* Where this head's rows of the block holding tokens [start, start + block_size) begin (in
+ * elements), and through `rows` how many of them the context has; the next block's rows are
+ * prefetched. */
+ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const int32_t *table,
+                                 int64_t head_offset, int64_t start, int64_t len,
+                                 int64_t row_bytes, int bf16, int64_t *rows) {
+    const int64_t bs = job->block_size;
+    *rows = len - start < bs ? len - start : bs;
+    if (start + bs < len)
+        prefetch_rows(at(cache, table[start / bs + 1] * job->block_stride + head_offset, bf16),
+                      row_bytes);
+    return table[start / bs] * job->block_stride + head_offset;
+}
+
 #if HAVE_DPBF16
 /* Pass 1 with VDPBF16PS (above): `qbf16` holds the group's query rows in bfloat16, as the
  * caller got them; `chunks` is even (rows of 32 bfloat16 pairs). Scores go where pass 1 puts
@@ -123,11 +137,9 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
     const int64_t bs = job->block_size, dim = chunks * LANES, pairs = chunks / 2;
     const uint16_t *cache = (const uint16_t *)job->key_cache;
     for (int64_t start = 0; start < len; start += bs) {
-        const uint16_t *block = cache + table[start / bs] * job->block_stride + head_offset;
-        const int64_t rows = len - start < bs ? len - start : bs;
-        if (start + bs < len)
-            prefetch_rows(cache + table[start / bs + 1] * job->block_stride + head_offset,
-                          row_bytes);
+        int64_t rows;
+        const uint16_t *block =
+            cache + block_rows(job, cache, table, head_offset, start, len, row_bytes, 1, &rows);
         for (int64_t first = 0; first < rows; first += LANES) {
             const int64_t count = rows - first < LANES ? rows - first : LANES;
             const uint16_t *keys = block + first * job->token_stride;
@@ -166,12 +178,9 @@ ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t he
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < chunks; c++) acc[g][c] = (vec16){0};
     for (int64_t start = 0; start < len; start += bs) {
-        const int64_t block = table[start / bs] * job->block_stride + head_offset;
-        const int64_t rows = len - start < bs ? len - start : bs;
-        if (start + bs < len)
-            prefetch_rows(at(job->value_cache,
-                             table[start / bs + 1] * job->block_stride + head_offset, bf16),
-                          row_bytes);
+        int64_t rows;
+        const int64_t block = block_rows(job, job->value_cache, table, head_offset, start, len,
+                                         row_bytes, bf16, &rows);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t row = block + r * job->token_stride;
             for (int64_t c = 0; c < chunks; c++) {
@@ -215,12 +224,9 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
 #endif
     {
         for (int64_t start = 0; start < len; start += bs) {
-            const int64_t block = table[start / bs] * job->block_stride + head_offset;
-            const int64_t rows = len - start < bs ? len - start : bs;
-            if (start + bs < len)
-                prefetch_rows(at(job->key_cache,
-                                 table[start / bs + 1] * job->block_stride + head_offset, bf16),
-                              row_bytes);
+            int64_t rows;
+            const int64_t block = block_rows(job, job->key_cache, table, head_offset, start, len,
+                                             row_bytes, bf16, &rows);
             for (int64_t first = 0; first < rows; first += LANES) {
                 const int64_t count = rows - first < LANES ? rows - first : LANES;
                 int64_t stride;
@@ -259,12 +265,9 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
 #undef WEIGH
     }
     for (int64_t start = 0; start < len; start += bs) {
-        const int64_t block = table[start / bs] * job->block_stride + head_offset;
-        const int64_t rows = len - start < bs ? len - start : bs;
-        if (start + bs < len)
-            prefetch_rows(at(job->value_cache,
-                             table[start / bs + 1] * job->block_stride + head_offset, bf16),
-                          row_bytes);
+        int64_t rows;
+        const int64_t block = block_rows(job, job->value_cache, table, head_offset, start, len,
+                                         row_bytes, bf16, &rows);
         for (int64_t first = 0; first < rows; first += LANES) {
             const int64_t count = rows - first < LANES ? rows - first : LANES;
             int64_t stride;
