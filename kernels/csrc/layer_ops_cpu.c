@@ -23,7 +23,7 @@
 
 #include "vec16.h"
 
-#define PARALLEL_ELEMENTS 65536 /* below this many elements one thread is faster */
+#define PARALLEL_ELEMENTS 4096 /* below this many elements one thread is faster (Zen 4) */
 #define MAX_HEAD_DIM 256
 
 /* x += delta (when delta), then out = weight * round(x * rsqrt(mean(x^2) + eps)), for one row. */
