@@ -246,6 +246,9 @@ def test_a_flood_from_one_address_cannot_push_out_another_address(
     completes its pull once it sends the rest of its request."""
     server, port = _tcp_server(loop_thread)
     listener = server._listener
+    # The slow client must outlive the flood's setup even on a loaded CI machine (CI once
+    # took over the default 3 s to open the 100 connections, and the slow one expired).
+    listener.preauth_seconds = 60.0
     try:
         frame = fr.encode_request(fr.Request(fr.OP_PULL, TOKEN, "ok", IDS, LAYOUT.bytes_per_block))
         slow = socket.create_connection(("127.0.0.1", port), 5.0, ("127.0.0.2", 0))
