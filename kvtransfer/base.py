@@ -45,6 +45,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from kernels.openmp import serial_thread
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
 
@@ -242,7 +243,11 @@ class _Endpoint:
     def thread_pool(self, num_threads: int, name: str) -> ThreadPoolExecutor:
         """A pool of at most ``num_threads`` (started on demand) for one kind of this
         endpoint's blocking work, shut down with the endpoint."""
-        pool = ThreadPoolExecutor(num_threads, thread_name_prefix=f"{self.thread_prefix}-{name}")
+        pool = ThreadPoolExecutor(
+            num_threads,
+            thread_name_prefix=f"{self.thread_prefix}-{name}",
+            initializer=serial_thread,  # copies beside the engine's step: see kernels.openmp
+        )
         self._pools.append(pool)
         return pool
 

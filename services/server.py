@@ -23,6 +23,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -34,6 +35,7 @@ from prometheus_client import Counter, disable_created_metrics
 import kvtransfer
 from common.ready import announce_ready
 from common.wire import TOKEN_HEADER, check_cluster_token
+from kernels.openmp import serial_thread
 from kvtransfer.base import KVLayout
 from kvtransfer.source import TensorBlockSource
 from protos import pdserve_pb2_grpc as pb_grpc
@@ -175,8 +177,11 @@ class Worker:
             cache = dataclasses.replace(engine_config.cache, shared_memory_path=self.shm_path)
             engine_config = dataclasses.replace(engine_config, cache=cache)
         self.simulation = load_profile(config.simulate) if config.simulate else None
-        self.engine = LLMEngine(engine_config, self.simulation, tokenizer)
-        self.async_engine = AsyncEngine(self.engine)
+        simulation = self.simulation
+        self.async_engine = AsyncEngine.build(
+            lambda: LLMEngine(engine_config, simulation, tokenizer)
+        )
+        self.engine = self.async_engine.engine
         table = self.engine.gemm_table
         self.metrics = WorkerMetrics(
             config.role, self.async_engine.stats, gemm_paths=table.entries() if table else ()
@@ -410,12 +415,23 @@ def _bracketed(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+async def _with_serial_blocking_threads(serving: Coroutine[Any, Any, None]) -> None:
+    """``serving``, with ``asyncio.to_thread``'s threads (block checksums, grammar compiles)
+    computing on themselves: see ``kernels.openmp``."""
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(
+        ThreadPoolExecutor(thread_name_prefix="worker-blocking", initializer=serial_thread)
+    )
+    await serving
+
+
 def run_worker(
     config: WorkerConfig, host: Callable[[WorkerConfig], Coroutine[Any, Any, None]] | None = None
 ) -> None:
     """Entry point of ``pdserve prefill|decode|colocated``: one ``Worker``, or what ``host``
     runs (several simulated workers: ``services.worker_pool``)."""
     check_cluster_token(config.cluster_token, config.insecure)
+    serial_thread()  # the event loop's thread: only the engine's step thread computes in parallel
     disable_created_metrics()  # counters' *_created series only double what scrapes show
     log_format = f"%(asctime)s {config.role} %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, format=log_format)
@@ -427,7 +443,8 @@ def run_worker(
         f"pdserve-{config.role}", config.trace_file, config.otlp_endpoint
     )
     try:
-        asyncio.run(host(config) if host is not None else Worker(config).run())
+        serving = host(config) if host is not None else Worker(config).run()
+        asyncio.run(_with_serial_blocking_threads(serving))
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()  # exports the spans still queued

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom first. One layer's packages may not import each other.
 LAYERS: list[list[str]] = [
     ["protos", "loadtest"],
-    ["kernels", "kvtransfer", "common"],
+    ["kernels"],  # compute primitives: the KV copies of kvtransfer use kernels.openmp
+    ["kvtransfer", "common"],
     ["services"],
     ["router"],
     ["pdserve"],

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from common.sampling_params import draw_seed
+from kernels.openmp import serial_thread
 from services.engine.grammar import Grammars, SequenceMatcher, allocate_bitmask, apply_bitmask
 from services.engine.sequence import Sequence
 
@@ -65,7 +66,9 @@ class Sampler:
             self._prepared = None
             return
         if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+            self._mask_thread = ThreadPoolExecutor(  # serial: beside the step, see kernels.openmp
+                1, thread_name_prefix="grammar-mask", initializer=serial_thread
+            )
         self._prepared = self._mask_thread.submit(self._fill_masks, structured)
 
     def _fill_masks(self, seqs: list[Sequence]) -> dict[MaskKey, torch.Tensor]:

@@ -57,17 +57,29 @@ class OutputStream:
 class AsyncEngine:
     """Owns the step loop; ``start()`` it once inside the event loop."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, step_thread: ThreadPoolExecutor | None = None):
+        """``step_thread``: the one-thread pool the engine was built on (see ``build``)."""
         self.engine = engine
         self._pending: list[tuple[Callable[..., Any], tuple[Any, ...], asyncio.Future[Any]]] = []
         self._streams: dict[str, OutputStream] = {}
         self._plans: dict[str, asyncio.Future[PullPlan]] = {}
         self._admissions: dict[str, asyncio.Future[list[int]]] = {}
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._executor = step_thread or _step_thread()
         self._task: asyncio.Task[None] | None = None
         self._stats = engine.stats()
         self.num_steps = 0
+
+    @classmethod
+    def build(cls, make_engine: Callable[[], LLMEngine]) -> AsyncEngine:
+        """The engine made by ``make_engine`` on the thread that will run its steps: then that
+        thread is the only one with an OpenMP team (``kernels.openmp`` says why it matters)."""
+        step_thread = _step_thread()
+        try:
+            return cls(step_thread.submit(make_engine).result(), step_thread)
+        except BaseException:
+            step_thread.shutdown(wait=False)
+            raise
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name="engine-loop")
@@ -323,6 +335,10 @@ class AsyncEngine:
         running = self.engine.running_request_ids()
         aborted = [self.engine.abort_request(rid, keep_pinned=True) for rid in running]
         return [out for out in aborted if out is not None]
+
+
+def _step_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="engine-step")
 
 
 def _stamped(fn: Callable[..., object]) -> Callable[..., float]:

@@ -4,6 +4,7 @@ a duplicate request id does (nothing, to the request that has it)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -116,4 +117,40 @@ def test_a_pull_plan_goes_out_before_the_step_that_admitted_it_computes(llm, mon
     asyncio.run(run())
     admitted = events.index("admitted")
     assert events[admitted + 1] == "plan", events[admitted : admitted + 3]
+    assert_no_leaks(engine)
+
+
+def test_build_makes_the_engine_on_the_thread_that_runs_its_steps(llm):
+    """The one thread with an OpenMP team is the step thread (``kernels.openmp``): the engine's
+    build, and every step after it, run there and not on the event loop's thread."""
+    engine = llm.engine
+    threads: dict[str, set[int]] = {"build": set(), "steps": set()}
+
+    def make():
+        threads["build"].add(threading.get_ident())
+        return engine
+
+    run_step = engine.run
+
+    def recorded(batch):
+        threads["steps"].add(threading.get_ident())
+        return run_step(batch)
+
+    async def run() -> None:
+        loop = AsyncEngine.build(make)
+        loop.start()
+        try:
+            stream, _ = await loop.add_request("built", engine.tokenizer.encode(PROMPTS[0]), LONG)
+            outputs = [o async for o in loop.outputs("built", stream)]
+            assert outputs[-1].finished
+        finally:
+            await loop.stop()
+
+    engine.run = recorded
+    try:
+        asyncio.run(run())
+    finally:
+        del engine.run
+    assert len(threads["build"]) == 1 and threads["steps"] == threads["build"]
+    assert threading.get_ident() not in threads["build"]
     assert_no_leaks(engine)
