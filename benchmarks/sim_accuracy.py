@@ -250,8 +250,11 @@ def calibrate(profiles: Profiles, sweep: Sweep) -> Calibration:
         prompt = 2 * (full - half)  # the step's prompt part, linear in the prefill scale
         rows.append([1.0] + [prompt if t == u else 0.0 for u in threads])
         targets.append(ttft - (full - prompt))
-    solution = np.linalg.lstsq(np.array(rows), np.array(targets), rcond=None)[0]
-    hop_ms = max(float(solution[0]), 0.0)
+    a, b = np.array(rows), np.array(targets)
+    solution = np.linalg.lstsq(a, b, rcond=None)[0]
+    if solution[0] < 0:  # no time can be negative: the best fit with the hop at zero instead
+        solution = np.concatenate([[0.0], np.linalg.lstsq(a[:, 1:], b, rcond=None)[0]])
+    hop_ms = float(solution[0])
     scales = {t: (float(solution[1 + i]), decode[t]) for i, t in enumerate(threads)}
     return Calibration(scales, Overheads(request_s=hop_ms / 1000))
 
