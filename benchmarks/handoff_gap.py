@@ -87,21 +87,30 @@ def start_system(port: int) -> subprocess.Popen[str]:
     raise SystemExit("pdserve up was not ready in 300 s")
 
 
-def token_times(client: OpenAI, model: str, prompt: str, max_tokens: int) -> list[float]:
+PHASES = ("kv_transfer_exposed", "decode_queue", "decode_first_step")  # the router's, in ms
+
+
+def token_times(
+    client: OpenAI, model: str, prompt: str, max_tokens: int
+) -> tuple[list[float], dict[str, float]]:
     """When each streamed token arrived (perf_counter), from the moment the request was sent
-    (the first entry)."""
+    (the first entry), and the router's phase timings of the request (``pdserve_timings``)."""
     times = [time.perf_counter()]
     stream = client.completions.create(
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         stream=True,
+        stream_options={"include_usage": True},
         extra_body={"ignore_eos": True},
     )
+    phases: dict[str, float] = {}
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             times.append(time.perf_counter())
-    return times
+        if chunk.usage is not None:
+            phases = ((chunk.usage.model_extra or {}).get("pdserve_timings") or [{}])[0]
+    return times, phases
 
 
 def keep_busy(client: OpenAI, model: str, stop: threading.Event, seed: int) -> None:
@@ -128,13 +137,20 @@ def measure(args: argparse.Namespace, client: OpenAI, model: str) -> dict[str, l
     time.sleep(5)  # the background batch fills up
     rng = random.Random(0)
     samples: dict[str, list[float]] = {"ttft": [], "handoff": [], "later": []}
+    samples |= {phase: [] for phase in (*PHASES, "unlocated")}
     try:
         for _ in tqdm(range(args.probes), desc="probes", unit="req", file=sys.stderr):
             prompt = " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
-            sent, first, second, *later = token_times(client, model, prompt, 6)
+            (sent, first, second, *later), phases = token_times(client, model, prompt, 6)
             samples["ttft"].append(first - sent)
             samples["handoff"].append(second - first)
             samples["later"] += [b - a for a, b in zip([second, *later], later)]
+            located = [phases.get(f"{phase}_ms", 0.0) / 1e3 for phase in PHASES]
+            for phase, seconds in zip(PHASES, located):
+                samples[phase].append(seconds)
+            # what no phase holds: the wait for the running step to end before the pulled KV
+            # is committed (between two steps), and the relay of the token to the client
+            samples["unlocated"].append(second - first - sum(located))
     finally:
         stop.set()
         for thread in busy:
@@ -178,7 +194,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{result['handoff_p50_ms']:>8.0f}{result['handoff_p90_ms']:>8.0f}\n"
         f"{'later gaps (decode steps)':<32}{result['later_p50_ms']:>8.0f}"
         f"{result['later_p90_ms']:>8.0f}\n"
-        f"hand-off = {result['handoff_in_steps']:.2f} decode steps (p50 / p50)"
+        f"hand-off = {result['handoff_in_steps']:.2f} decode steps (p50 / p50)\n"
+        "the hand-off's phases (the router's pdserve_timings; 'unlocated': the rest, i.e. the\n"
+        "wait for the running step to end before the KV is committed, and the relay):\n"
+        + "".join(
+            f"  {name:<30}{result[f'{name}_p50_ms']:>8.0f}{result[f'{name}_p90_ms']:>8.0f}\n"
+            for name in (*PHASES, "unlocated")
+        )
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "handoff_gap.json").write_text(json.dumps(result, indent=1) + "\n")
