@@ -2,10 +2,10 @@
 
 A measured TTFT is not only steps: the client sends over HTTP, the router picks workers and
 opens gRPC streams, the worker tokenizes and queues the request, and the first token travels
-back the same way. On the recorded Zen 4 sweep (``benchmarks/recorded/goodput-zen4.json``) the
-unloaded TTFTs of every configuration sit on ``hop + step(prompt)`` with one ``hop`` of a few
-tens of ms that no step explains; ``benchmarks/sim_accuracy.py`` measures it from those
-unloaded rows only (a least-squares line through them, see its ``calibrate``).
+back the same way. ``benchmarks/sim_accuracy.py`` measures that ``hop`` from a sweep's
+unloaded rows only (a least-squares line ``hop + step(prompt)`` through their TTFTs, see its
+``calibrate``): 6 ms on the Zen 4 sweep recorded before 2026-11-26, 0 on the one recorded since
+(``benchmarks/recorded/goodput-zen4.json``: the prefill scale absorbs it).
 
 The simulator takes such a cost as a delay between a request's send and its arrival in the
 router's queue: its first token, and every later one, comes that much later, so TTFT and E2EL
