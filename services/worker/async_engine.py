@@ -274,11 +274,12 @@ class AsyncEngine:
             try:
                 batch = self.engine.schedule()
                 # Pull plans go out before the batch computes: the pull runs beside this step,
-                # and its request can join the next one (one step less of hand-off). Prefill
-                # admissions go out after it: a KV handle sent before the prompt computed would
-                # only start a streamed pull that competes with the compute for the prefill
-                # worker's core (TTFT +50 ms, measured in docs/benchmarks.md).
+                # and its request can join the next one (one step less of hand-off). So do
+                # prefill admissions: their KV handles reach the decode worker while the prompt
+                # computes, which is admitted and waiting on a streamed pull when it is done
+                # (hand-off 2.6 -> 1.8-1.9 decode steps, TTFT within noise: docs/benchmarks.md).
                 admitted = self._deliver_plans()
+                self._deliver_admissions()
                 outputs = (
                     await loop.run_in_executor(self._executor, self.engine.run, batch)
                     if not batch.is_empty
@@ -287,7 +288,6 @@ class AsyncEngine:
             except Exception:  # a bug, not bad input: fail the batch loudly, keep serving
                 log.exception("engine step failed; aborting the running requests")
                 outputs, admitted = self._abort_all(), 0
-            self._deliver_admissions()
             self.num_steps += 1
             for output in outputs:
                 self._put(output)

@@ -71,6 +71,34 @@ def test_a_streamed_pull_gets_every_block_as_it_is_computed(transport: str) -> N
     asyncio.run(run())
 
 
+def test_a_prompt_computed_before_its_final_answer_goes_in_one_part_with_it() -> None:
+    """Between the prefill's last step and its first token's answer the source sends nothing:
+    the rest of the prompt then comes in one part with the final answer, not in two."""
+    cache = torch.randn(12, *LAYOUT.block_shape)
+
+    async def run() -> None:
+        source = TensorBlockSource(cache, lease_seconds=5)
+        source.pin("req", PROMPT_BLOCKS, progress=lambda: NUM_TOKENS, num_tokens=NUM_TOKENS)
+        server = make_server("tcp", source, LAYOUT, TOKEN)
+        address = await server.start("127.0.0.1")
+        client = make_client("tcp", token=TOKEN)
+        try:
+            pull = asyncio.ensure_future(
+                client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0)
+            )
+            await asyncio.sleep(0.2)
+            assert not pull.done() and source.ready_count("req", PROMPT_BLOCKS) == (0, None)
+            source.finish("req", {"first_token": 7})
+            result = await asyncio.wait_for(pull, 10)
+            assert result.num_parts == 1 and result.final == {"first_token": 7}
+            assert torch.equal(result.blocks, cache[torch.tensor(PROMPT_BLOCKS)])
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())
+
+
 def test_a_streamed_pull_of_a_request_never_pinned_is_refused() -> None:
     async def run() -> None:
         source = TensorBlockSource(torch.randn(4, *LAYOUT.block_shape))

@@ -120,6 +120,49 @@ def test_a_pull_plan_goes_out_before_the_step_that_admitted_it_computes(llm, mon
     assert_no_leaks(engine)
 
 
+def test_a_prefill_admission_goes_out_before_the_step_that_computes_the_prompt(llm, monkeypatch):
+    """Its KV handle then reaches the decode worker while the prompt computes, so the decode
+    worker is admitted and waiting on the streamed pull when the prompt is done (the hand-off
+    2.6 -> 1.8-1.9 decode steps, docs/benchmarks.md)."""
+    engine = llm.engine
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    events: list[str] = []
+    schedule, run_batch = engine.schedule, engine.run
+
+    def recording_schedule():  # type: ignore[no-untyped-def]
+        batch = schedule()
+        if batch.prefills:
+            events.append("scheduled")
+        return batch
+
+    def slow_run(batch):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)  # room for the admission's waiter to run while the step computes
+        outputs = run_batch(batch)
+        events.append("computed")
+        return outputs
+
+    monkeypatch.setattr(engine, "schedule", recording_schedule)
+    monkeypatch.setattr(engine, "run", slow_run)
+
+    async def run() -> None:
+        loop = AsyncEngine(engine)
+        loop.start()
+        try:
+            stream, _ = await loop.add_request("p", prompt, LONG, pin_blocks=True)
+            await loop.prefill_admitted("p")
+            events.append("admission")
+            [output] = [o async for o in loop.outputs("p", stream, False)]
+            assert output.finished
+            assert await loop.release_pinned("p")  # what the lease's end does
+        finally:
+            await loop.stop()
+
+    asyncio.run(run())
+    scheduled = events.index("scheduled")
+    assert events[scheduled + 1] == "admission", events
+    assert_no_leaks(engine)
+
+
 def test_build_makes_the_engine_on_the_thread_that_runs_its_steps(llm):
     """The one thread with an OpenMP team is the step thread (``kernels.openmp``): the engine's
     build, and every step after it, run there and not on the event loop's thread."""
