@@ -145,13 +145,17 @@ def test_pool_gauges_follow_a_request_through_prefill_then_decode(observed, disa
     _, routers = disagg
     requests = [s.requests for s in observed.during]
     assert observed.before.requests == dict.fromkeys(POOLS, 0)
-    # One request, counted once in the pool whose worker has it: first prefill, then decode.
+    # One request, counted in each pool while the router has a call open there: the prefill
+    # call first; the decode stream from the KV handle on, so while the prompt still computes
+    # (the streamed hand-off) it is in both; then in decode alone until the end.
     assert max(r["prefill"] for r in requests) == 1
     assert max(r["decode"] for r in requests) == 1
     assert all(r["colocated"] == 0 for r in requests)
-    assert not any(r["prefill"] and r["decode"] for r in requests), "in two pools at once"
-    first_decode = next(i for i, r in enumerate(requests) if r["decode"])
-    assert all(r["prefill"] == 0 for r in requests[first_decode:]), "prefill after decode"
+    in_prefill = [i for i, r in enumerate(requests) if r["prefill"]]
+    in_decode = [i for i, r in enumerate(requests) if r["decode"]]
+    assert in_prefill[0] <= in_decode[0], "decode before prefill"
+    assert in_prefill == list(range(in_prefill[0], in_prefill[-1] + 1)), "prefill came back"
+    assert in_decode[-1] > in_prefill[-1], "the request did not end in decode"
     assert max(s.in_flight for s in observed.during) == 1
     # Nothing stays counted once the response is over (the gauges are read at scrape time).
     assert wait_until(lambda: Snapshot.take(routers.plain).requests == dict.fromkeys(POOLS, 0))

@@ -172,8 +172,15 @@ def tool_results(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def final_answer(router: Router, route: str, stream: bool, history: list[Any]) -> None:
     """The answer after the tool results: text, from a prompt that holds them."""
-    message, reason = ask(
-        router, route, stream, messages=history, tools=TOOLS, tool_choice="none", max_tokens=8
+    message, reason = ask(  # greedy: a sampled end-of-text as the first token is no answer
+        router,
+        route,
+        stream,
+        messages=history,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=8,
+        temperature=0,
     )
     assert reason in ("stop", "length") and isinstance(message.get("content"), str)
     assert "tool_calls" not in message
