@@ -75,28 +75,36 @@ def test_a_duplicate_request_id_is_refused_without_touching_the_first(llm):
     assert_no_leaks(engine)
 
 
-def test_a_pull_plan_goes_out_before_the_step_that_admitted_it_computes(llm, monkeypatch):
-    """The pull then runs beside that step, and its request can join the next one: one step
-    less between the first token (the prefill worker's) and the second."""
-    engine = llm.engine
-    prompt = engine.tokenizer.encode(PROMPTS[2])
+def record_steps(engine, monkeypatch, label: str, when) -> list[str]:  # type: ignore[no-untyped-def]
+    """The engine's steps, recorded: ``label`` when a schedule() returns a batch ``when``
+    selects, "computed" when a step has run; each step takes 0.2 s more, room for the waiters
+    of what the schedule sent out to run while the step computes."""
     events: list[str] = []
     schedule, run_batch = engine.schedule, engine.run
 
     def recording_schedule():  # type: ignore[no-untyped-def]
         batch = schedule()
-        if batch.pulls:
-            events.append("admitted")
+        if when(batch):
+            events.append(label)
         return batch
 
     def slow_run(batch):  # type: ignore[no-untyped-def]
-        time.sleep(0.2)  # room for the plan's waiter to run while the step computes
+        time.sleep(0.2)
         outputs = run_batch(batch)
         events.append("computed")
         return outputs
 
     monkeypatch.setattr(engine, "schedule", recording_schedule)
     monkeypatch.setattr(engine, "run", slow_run)
+    return events
+
+
+def test_a_pull_plan_goes_out_before_the_step_that_admitted_it_computes(llm, monkeypatch):
+    """The pull then runs beside that step, and its request can join the next one: one step
+    less between the first token (the prefill worker's) and the second."""
+    engine = llm.engine
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    events = record_steps(engine, monkeypatch, "admitted", lambda batch: bool(batch.pulls))
 
     async def run() -> None:
         loop = AsyncEngine(engine)
@@ -126,23 +134,7 @@ def test_a_prefill_admission_goes_out_before_the_step_that_computes_the_prompt(l
     2.6 -> 1.8-1.9 decode steps, docs/benchmarks.md)."""
     engine = llm.engine
     prompt = engine.tokenizer.encode(PROMPTS[2])
-    events: list[str] = []
-    schedule, run_batch = engine.schedule, engine.run
-
-    def recording_schedule():  # type: ignore[no-untyped-def]
-        batch = schedule()
-        if batch.prefills:
-            events.append("scheduled")
-        return batch
-
-    def slow_run(batch):  # type: ignore[no-untyped-def]
-        time.sleep(0.2)  # room for the admission's waiter to run while the step computes
-        outputs = run_batch(batch)
-        events.append("computed")
-        return outputs
-
-    monkeypatch.setattr(engine, "schedule", recording_schedule)
-    monkeypatch.setattr(engine, "run", slow_run)
+    events = record_steps(engine, monkeypatch, "scheduled", lambda batch: bool(batch.prefills))
 
     async def run() -> None:
         loop = AsyncEngine(engine)
