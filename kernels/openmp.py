@@ -46,7 +46,3 @@ def serial_thread() -> None:
     if runtime is not None:
         runtime.omp_set_num_threads(1)
 
-
-def thread_count() -> int:
-    """The calling thread's OpenMP thread count (what its next parallel region would use)."""
-    return torch.get_num_threads()
