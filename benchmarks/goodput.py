@@ -501,6 +501,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--num-prompts", type=int, help=f"requests per rate (default {DEFAULT_NUM_PROMPTS})"
     )
     p.add_argument(
+        "--prompts-factor",
+        type=float,
+        default=1.0,
+        help="x the default requests per rate of every preset (less noise, longer sweep)",
+    )
+    p.add_argument(
         "--no-interference", action="store_true", help="skip the ITL-under-long-prompts runs"
     )
     p.add_argument("--baseline-prompts", type=int, default=3, help="unloaded requests per preset")
@@ -529,7 +535,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def num_prompts(args: argparse.Namespace, preset: str) -> int:
-    return int(args.num_prompts or DEFAULT_NUM_PROMPTS[preset])
+    return int(args.num_prompts or round(DEFAULT_NUM_PROMPTS[preset] * args.prompts_factor))
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -594,6 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmeasured in {elapsed / 60:.1f} min")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config["num_prompts_by_preset"] = {p: num_prompts(args, p) for p in args.presets}
     data = {"command": command, "machine": machine, "config": config, "elapsed_s": elapsed}
     path = args.out_dir / "goodput.json"
     hol_json = interference.to_json(hol, interference.InterferenceConfig()) if hol else None

@@ -103,7 +103,8 @@ class Sweep:
         return cls(
             config["input_scale"],
             config["output_scale"],
-            {p: config["num_prompts"] or DEFAULT_NUM_PROMPTS[p] for p in data["presets"]},
+            config.get("num_prompts_by_preset")
+            or {p: config["num_prompts"] or DEFAULT_NUM_PROMPTS[p] for p in data["presets"]},
             {p: r["slos_ms"] for p, r in data["presets"].items()},
             unloaded,
             recorded,
