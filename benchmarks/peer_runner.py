@@ -95,12 +95,14 @@ def load_vllm(model: str, dtype: str, profile_dir: str | None = None) -> Generat
     return profiled if profile_dir else generate
 
 
-def load_pdserve(model: str, dtype: str, profile_dir: str | None = None) -> Generate | Profiled:
+def load_pdserve(
+    model: str, dtype: str, profile_dir: str | None = None, quantization: str = "none"
+) -> Generate | Profiled:
     import torch
 
     from pdserve import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype=dtype)
+    llm = LLM(model=model, dtype=dtype, quantization=quantization)
 
     def generate(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -219,10 +221,13 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", metavar="DIR", help="profile decode steps instead (see above)")
+    p.add_argument("--quantization", default="none", help="pdserve's --quantization (none, int8)")
     args = p.parse_args()
-    load = load_vllm if args.system == "vllm" else load_pdserve
     started = time.perf_counter()
-    generate = load(args.model, args.dtype, args.profile)
+    if args.system == "vllm":
+        generate = load_vllm(args.model, args.dtype, args.profile)
+    else:
+        generate = load_pdserve(args.model, args.dtype, args.profile, args.quantization)
     load_s = time.perf_counter() - started
     if args.profile:
         generate(prompts(2, 16, args.seed + 99), 4)  # warm-up
@@ -230,6 +235,7 @@ def main() -> int:
     else:
         result = measure(generate, args.workloads.split(","), args.repeats, args.seed)
     result.update(system=args.system, dtype=args.dtype, load_s=load_s)
+    result.update(quantization=args.quantization)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

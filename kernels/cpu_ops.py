@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
-    CSRC / f"{name}.c" for name in ("paged_attention_cpu", "linear_bf16_cpu", "layer_ops_cpu")
+    CSRC / f"{name}.c"
+    for name in ("paged_attention_cpu", "linear_bf16_cpu", "layer_ops_cpu", "int8_cpu")
 ]
 HEADERS = [CSRC / "vec16.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
@@ -175,7 +176,11 @@ class CpuKernels:
         self._rotary.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, *i64s, i64, ptr, *i64s, i32, i32]
         self._silu_mul = lib.silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
-        for fn in (self._norm, self._rotary, self._silu_mul):
+        self._quantize = lib.quantize_rows_int8
+        self._quantize.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32]
+        self._dequantize = lib.dequantize_int32
+        self._dequantize.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+        for fn in (self._norm, self._rotary, self._silu_mul, self._quantize, self._dequantize):
             fn.restype = ctypes.c_int
 
     def __repr__(self) -> str:
@@ -397,6 +402,63 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         _check_status(status, "silu_mul")
+        return out
+
+    def quantize_rows_int8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract (and bits) as ``reference.quantize_rows_int8``."""
+        if x.dim() != 2 or not _glue_takes(x):
+            return reference.quantize_rows_int8(x)
+        rows, size = x.shape
+        q = torch.empty(rows, size, dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.float32)
+        status = self._quantize(
+            x.data_ptr(),
+            q.data_ptr(),
+            scales.data_ptr(),
+            rows,
+            size,
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "quantize_rows_int8")
+        return q, scales
+
+    def dequantize_int32(
+        self,
+        products: torch.Tensor,
+        row_scales: torch.Tensor,
+        col_scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """Same contract (and bits) as ``reference.dequantize_int32``."""
+        float_args = (row_scales, col_scales) if bias is None else (row_scales, col_scales, bias)
+        if (
+            products.dim() != 2
+            or products.dtype != torch.int32
+            or not products.is_contiguous()
+            or products.shape[1] % LANES
+            or dtype not in CACHE_DTYPES
+            or any(t.dtype != torch.float32 or not t.is_contiguous() for t in float_args)
+            or row_scales.shape != products.shape[:1]
+            or col_scales.shape != products.shape[1:]
+            or (bias is not None and bias.shape != products.shape[1:])
+        ):
+            return reference.dequantize_int32(products, row_scales, col_scales, bias, dtype)
+        rows, cols = products.shape
+        out = torch.empty(rows, cols, dtype=dtype)
+        status = self._dequantize(
+            products.data_ptr(),
+            row_scales.data_ptr(),
+            col_scales.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            cols,
+            dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "dequantize_int32")
         return out
 
 

@@ -220,3 +220,35 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of ``gate_up`` ``[num_tokens, 2 * size]`` (gate, then up, per row)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+INT8_LEVELS = 127.0  # symmetric int8: -127 .. 127
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` ``[rows, size]`` to int8 with a scale of its own (dynamic, per token):
+    ``scale = max|x| / 127``, ``q = round(clamp(x * (127 / max|x|), -127, 127))`` to nearest
+    even; a row of zeros gets scale 0. Returns ``(q int8 [rows, size], scale float32 [rows])``."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    # A true division (``127 / tensor`` would be a reciprocal times 127: rounded twice).
+    levels = torch.full_like(amax, INT8_LEVELS)
+    inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    q = torch.round((x * inverse[:, None]).clamp_(-INT8_LEVELS, INT8_LEVELS)).to(torch.int8)
+    return q, amax / INT8_LEVELS
+
+
+def dequantize_int32(
+    products: torch.Tensor,
+    row_scales: torch.Tensor,
+    col_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The int32 products ``[rows, cols]`` of an int8 GEMM back to ``dtype``:
+    ``(products * row_scales[:, None]) * col_scales + bias``, in float32 (scales and bias
+    float32)."""
+    out = (products.float() * row_scales[:, None]) * col_scales
+    if bias is not None:
+        out += bias
+    return out.to(dtype)

@@ -24,9 +24,7 @@ REFUSED: dict[tuple[str, ...], str] = {
         "the KV pool is sized in bytes or blocks: --kv-cache-memory SIZE or --num-blocks N"
     ),
     ("--kv-cache-dtype",): "the KV cache has the weights' --dtype",
-    ("--quantization", "-q"): (
-        "weights run in --dtype; a quantized .gguf file is dequantized when it is converted"
-    ),
+    ("-q",): "here it is --quantization {none,int8} (int8: W8A8 on the CPU)",
     ("--trust-remote-code",): "no model code is loaded: the built-in llama and qwen2 models run",
     ("--download-dir", "--revision"): (
         "nothing is downloaded: give a local Hugging Face directory or .gguf file"

@@ -15,6 +15,7 @@ from pathlib import Path
 from common.settings import parse_size, setting
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "pdserve"
 
 
@@ -164,6 +165,12 @@ class EngineConfig:
         "(oneDNN on weights widened once: twice their memory) or mkl (torch's F.linear in float32)",
         choices=("auto", "native", "float32", "mkl"),
     )
+    quantization: str = setting(
+        "none",
+        "weights of the decoder layers' linears: none (in --dtype) or int8 (CPU: per-channel int8 "
+        "weights and per-token int8 activations, int8 GEMMs; the LM head stays in --dtype)",
+        choices=QUANTIZATIONS,
+    )
     cpu_kernels_cc: str | None = setting(
         None, "C compiler that builds the CPU kernel (none: cc, gcc or clang, the first on PATH)"
     )
@@ -175,6 +182,14 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}"
+            )
+        if self.quantization != "none" and self.device != "cpu":
+            raise ValueError(
+                f"--quantization {self.quantization} runs on the CPU only, not on {self.device!r}"
+            )
 
     def tokenizer_dir(self, model_dir: Path) -> Path:
         """Where the tokenizer is: --tokenizer, else the model's directory."""

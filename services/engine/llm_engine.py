@@ -26,6 +26,7 @@ from services.engine.config import EngineConfig, ModelConfig
 from services.engine.grammar import Grammars
 from services.engine.kv_handoff import KVHandoff, PullPlan
 from services.engine.model.gemm_choice import GemmTable
+from services.engine.model.int8_linear import Int8Ops
 from services.engine.model.llama import LlamaModel
 from services.engine.model.loader import load_config, load_model
 from services.engine.model.simulated import SimulatedModel
@@ -74,6 +75,8 @@ class LLMEngine:
                 config.cpu_matmul,
                 small_batch,
                 config.cache_path / "kernels",  # the measured GEMM paths, beside the kernels
+                config.quantization,
+                backend if isinstance(backend, Int8Ops) else None,  # None: the reference
             )
             per_block = kv_bytes_per_block(self.model, cache.block_size, dtype)
             num_blocks = cache.num_blocks or max(1, cache.kv_cache_memory_bytes // per_block)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
+from kernels import reference
 from kernels.cpu_ops import cpu_signature
 from services.engine.config import ModelConfig
 from services.engine.model.gemm_choice import choose_paths
+from services.engine.model.int8_linear import Int8Ops, quantize_linears
 from services.engine.model.llama import LlamaModel
 from services.engine.model.packed_linear import SmallBatchLinear, pack_linears
 from services.engine.model.source import ModelLoadError
@@ -50,11 +52,15 @@ def load_model(
     cpu_matmul: str = "auto",
     small_batch: SmallBatchLinear | None = None,
     kernel_cache: Path | None = None,
+    quantization: str = "none",
+    int8_ops: Int8Ops | None = None,
 ) -> LlamaModel:
     """Build the model from ``model_dir`` and load its weights. On CPU each linear layer runs
     its GEMMs on the path ``cpu_matmul`` forces, or (``auto``) on the fastest measured for its
     shape and row count, cached in ``kernel_cache`` (``gemm_choice``); ``small_batch``: the
-    compiled kernel for 1-4 rows of bfloat16 weights. The table is ``model.gemm_table``."""
+    compiled kernel for 1-4 rows of bfloat16 weights. The table is ``model.gemm_table``.
+    ``quantization`` ``int8``: the decoder layers' linears in int8 (``int8_linear``, their
+    quantize/dequantize passes from ``int8_ops``, or PyTorch's); the LM head keeps its paths."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config)
@@ -62,6 +68,11 @@ def load_model(
     model.rope.build()  # buffers are not weights: rebuild them after to_empty()
     model.load_hf_state_dict(load_weights(model_dir))
     model = model.to(device=device, dtype=dtype).eval()
+    if quantization == "int8":
+        count = quantize_linears(model.layers, int8_ops or reference)
+        logger.info("int8 weights and activations in %d linear layers", count)
+    elif quantization != "none":
+        raise ValueError(f"unknown quantization {quantization!r}")
     table = choose_paths(model, cpu_matmul, small_batch, kernel_cache, cpu_signature())
     if table is not None:  # CPU: nothing to choose elsewhere
         pack_linears(model, table.chooser(), small_batch)
