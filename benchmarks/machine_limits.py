@@ -11,7 +11,10 @@ Measured, with all usable cores (torch threads):
   weights widened to float32 for oneDNN and for MKL, plain ``torch.nn.functional.linear``
   (MKL's sgemm) in float32, and for up to 4 rows the compiled kernel that reads bfloat16
   weights in place (``kernels/csrc/linear_bf16_cpu.c``). The limits are the best of them: the
-  machine's, not the engine's.
+  machine's, not the engine's. Apart from them, the int8 GEMM (``torch._int_mm``: oneDNN, VNNI
+  where the CPU has it) on int8 inputs alone, and ``--quantization int8``'s whole layer (quantize
+  the rows, the GEMM, scales and bias: ``services.engine.model.int8_linear``), with their own
+  limits: int8 is a different model, whose outputs differ (``int8_quality.py``).
 - beside them, the engine's own choice (``--cpu-matmul auto``: the path per layer shape and row
   count it measured at start, read from its cache in ~/.cache/pdserve/kernels or measured now)
   and the GFLOP/s of that choice.
@@ -19,7 +22,9 @@ Measured, with all usable cores (torch threads):
 Then the limits: single stream, one decode step reads every weight once, so tokens/s <= bandwidth
 / weight bytes; at 64 sequences a step is GEMM-bound, so tokens/s <= GEMM peak / flops per token
 (2 x parameters in the linear layers and the LM head; attention is left out, which flatters the
-limit a little).
+limit a little). With int8 layers the weights are the layers' int8 bytes plus the head's bfloat16
+ones, and a token's time is its layers' flops at the int8 rate plus the head's at the best float
+rate.
 
     python benchmarks/machine_limits.py [--repeats 5]
 
@@ -29,19 +34,23 @@ Prints the command, the machine and a table; writes machine_limits.json to --out
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from machine import machine_info, median_seconds  # benchmarks/machine.py (on sys.path)
 from torch import nn
 from tqdm import tqdm
 
-from kernels import cpu_ops
+from kernels import cpu_ops, reference
 from services.engine.config import DEFAULT_CACHE_DIR, default_num_threads
 from services.engine.model.gemm_choice import GemmTable
+from services.engine.model.int8_linear import Int8Linear
 from services.engine.model.loader import load_model
 from services.engine.model.packed_linear import (
     NUM_BUCKETS,
@@ -59,6 +68,7 @@ LAYER_PARAMS = LAYERS * sum(i * o for i, o in SHAPES)
 HEAD_PARAMS = HIDDEN * VOCAB  # the LM head (tied to the embedding)
 FLOPS_PER_TOKEN = 2 * (LAYER_PARAMS + HEAD_PARAMS)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+INT8_GEMM = "int8 GEMM alone (oneDNN _int_mm)"
 # label -> (weight dtype, path)
 KINDS = {
     "float32, oneDNN packed": ("float32", "native"),
@@ -97,6 +107,29 @@ def gemm_gflops(
     def forward() -> None:
         for x, layer in zip(inputs, layers):
             layer(x)
+
+    with torch.inference_mode():
+        seconds = median_seconds(forward, repeats)
+    return 4 * 2 * rows * sum(i * o for i, o in SHAPES) / seconds / 1e9
+
+
+def int8_gflops(rows: int, whole_layer: bool, kernels: Any, repeats: int) -> float:
+    """GFLOP/s of the four layer shapes at ``rows`` rows in int8: the GEMM alone on int8 inputs
+    (``whole_layer`` False), or ``Int8Linear`` on bfloat16 inputs (quantize, GEMM, dequantize)."""
+    linears = [nn.Linear(i, o, bias=False).to(torch.bfloat16) for i, o in SHAPES * 4]
+    calls: list[Callable[[], object]] = []
+    for linear in linears:
+        x = torch.randn(rows, linear.in_features).to(torch.bfloat16)
+        if whole_layer:
+            calls.append(functools.partial(Int8Linear(linear, kernels or reference), x))
+        else:
+            weight = torch.randint(-127, 128, linear.weight.shape, dtype=torch.int8)
+            xq = torch.randint(-127, 128, x.shape, dtype=torch.int8)
+            calls.append(functools.partial(torch._int_mm, xq, weight.t()))
+
+    def forward() -> None:
+        for call in calls:
+            call()
 
     with torch.inference_mode():
         seconds = median_seconds(forward, repeats)
@@ -152,7 +185,9 @@ def main() -> int:
     weight_bytes = 2 * (LAYER_PARAMS + HEAD_PARAMS)
     rows = [int(r) for r in args.rows.split(",")]
     engine_kinds = [f"engine's choice, {name}" for name in DTYPES]
-    with tqdm(total=2 + len(rows) * (len(KINDS) + 2), desc="measuring", file=sys.stderr) as bar:
+    int8_kinds = {INT8_GEMM: False, "int8 W8A8 layer (--quantization)": True}
+    total = 2 + len(rows) * (len(KINDS) + 2 + len(int8_kinds))
+    with tqdm(total=total, desc="measuring", file=sys.stderr) as bar:
         dram = read_gib_s(1 << 30, args.repeats)
         bar.update(1)
         weights_read = read_gib_s(weight_bytes, args.repeats)
@@ -167,6 +202,11 @@ def main() -> int:
             for m in rows:
                 paths = chosen_paths(table, m)
                 gemm[kind][m] = gemm_gflops(m, DTYPES[name], paths, kernels, args.repeats)
+                bar.update(1)
+        for kind, whole_layer in int8_kinds.items():
+            gemm[kind] = {}
+            for m in rows:
+                gemm[kind][m] = int8_gflops(m, whole_layer, kernels, args.repeats)
                 bar.update(1)
 
     print(
@@ -199,6 +239,20 @@ def main() -> int:
             f"<= {best64 * 1e9 / FLOPS_PER_TOKEN:.0f} tok/s "
             f"({FLOPS_PER_TOKEN / 1e9:.2f} GFLOP per token)"
         )
+    int8_bytes = LAYER_PARAMS + 2 * HEAD_PARAMS  # int8 layers, bfloat16 head
+    single_int8 = weights_read * 2**30 / int8_bytes
+    int8_64 = gemm[INT8_GEMM].get(64)
+    batch64_int8 = None
+    if best64 and int8_64:
+        per_token_s = 2 * LAYER_PARAMS / (int8_64 * 1e9) + 2 * HEAD_PARAMS / (best64 * 1e9)
+        batch64_int8 = 1 / per_token_s
+    mib = int8_bytes / 2**20
+    print(f"int8 layers, single stream ({mib:.0f} MiB a token): <= {single_int8:.0f} tok/s")
+    if batch64_int8:
+        print(
+            f"int8 layers, 64 sequences (int8 GEMM {int8_64:.0f} GFLOP/s, head at the best "
+            f"float path): <= {batch64_int8:.0f} tok/s"
+        )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "machine_limits.json"
     data = {
@@ -210,6 +264,8 @@ def main() -> int:
         "limits_tok_s": {
             "single_stream": single,
             "batch64": None if not best64 else best64 * 1e9 / FLOPS_PER_TOKEN,
+            "single_stream_int8": single_int8,
+            "batch64_int8": batch64_int8,
         },
     }
     path.write_text(json.dumps(data, indent=2) + "\n")

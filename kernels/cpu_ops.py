@@ -17,7 +17,9 @@ per layer. Prefill is the reference here; the KV write is part of ``rotary_write
 glue is compiled because at a decode batch of one its twenty-odd PyTorch operators per layer cost
 more in dispatch than in arithmetic (``kernels/csrc/layer_ops_cpu.c``). ``CpuKernels.linear_bf16``
 serves the model's linear layers (``services.engine.model.packed_linear``) at decode batches of a
-few rows on CPUs without bfloat16 dot products.
+few rows on CPUs without bfloat16 dot products. Under ``--quantization int8``
+(``services.engine.model.int8_linear``) ``quantize_rows_int8`` and ``dequantize_int32`` are the
+passes around oneDNN's int8 GEMM, and ``int8_small_batch`` the whole layer at 1-4 rows (VNNI).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -120,6 +123,8 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
 LINEAR_MAX_ROWS = 4  # rows of x linear_bf16 takes (MAX_ROWS in linear_bf16_cpu.c)
+INT8_MAX_ROWS = 4  # rows of x linear_int8 takes (INT8_MAX_ROWS in int8_cpu.c)
+NO_VNNI = 3  # linear_int8's status where it was compiled without AVX512-VNNI
 INT32_MAX = 2**31 - 1
 BAD_INDEX = 3  # the kernels' status for a block id or slot outside the cache (nothing written)
 
@@ -180,8 +185,15 @@ class CpuKernels:
         self._quantize.argtypes = [ptr, ptr, ptr, i64, i64, i32, i32]
         self._dequantize = lib.dequantize_int32
         self._dequantize.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+        self._linear_int8 = lib.linear_int8
+        self._linear_int8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i32, i64, i64, i32, i32]
         for fn in (self._norm, self._rotary, self._silu_mul, self._quantize, self._dequantize):
             fn.restype = ctypes.c_int
+        self._linear_int8.restype = ctypes.c_int
+        # No rows: 1 (arguments it does not take) from a VNNI build, NO_VNNI from another.
+        self.int8_vnni = self._linear_int8(None, None, None, None, None, None, 0, 0, 0, 0, 1) != (
+            NO_VNNI
+        )
 
     def __repr__(self) -> str:
         return f"CpuKernels({str(self.path)!r})"
@@ -423,6 +435,36 @@ class CpuKernels:
         _check_status(status, "quantize_rows_int8")
         return q, scales
 
+    def int8_small_batch(
+        self,
+        weight: torch.Tensor,
+        weight_sums: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> Int8SmallBatch | None:
+        """``Int8Linear``'s GEMM for 1-4 rows of x in one call, its int8 weights read in place
+        with VNNI dot products: bit-identical to quantize, ``torch._int_mm``, dequantize. Returns
+        a function of ``x`` ``[rows, in]`` (float32 or bfloat16, contiguous) that gives ``y`` or
+        None for inputs it does not take (more rows, other dtypes or layouts). The weights are
+        checked, and their addresses taken, once here: at one row the call's Python costs as
+        much as the GEMM. None where the weights do not suit it (``in`` not a multiple of 64) or
+        the CPU has no AVX512-VNNI. ``weight`` ``[out, in]`` int8, ``weight_sums`` its row sums
+        (int32), ``weight_scale`` and ``bias`` float32 ``[out]``."""
+        out_features, in_features = weight.shape
+        vectors = (weight_scale,) if bias is None else (weight_scale, bias)
+        if (
+            not self.int8_vnni
+            or in_features % 64
+            or weight.dtype != torch.int8
+            or not weight.is_contiguous()
+            or weight_sums.dtype != torch.int32
+            or weight_sums.shape != (out_features,)
+            or any(v.dtype != torch.float32 or v.shape != (out_features,) for v in vectors)
+            or not all(v.is_contiguous() for v in (weight_sums, *vectors))
+        ):
+            return None
+        return Int8SmallBatch(self._linear_int8, weight, weight_sums, weight_scale, bias)
+
     def dequantize_int32(
         self,
         products: torch.Tensor,
@@ -459,6 +501,44 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         _check_status(status, "dequantize_int32")
+        return out
+
+
+class Int8SmallBatch:
+    """``CpuKernels.linear_int8`` bound to one layer's weights: their addresses are taken once
+    (the tensors are kept alive here), so a call checks and converts only ``x``."""
+
+    def __init__(
+        self,
+        kernel: Any,
+        weight: torch.Tensor,
+        weight_sums: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+    ) -> None:
+        self.kernel = kernel
+        self.out_features, self.in_features = weight.shape
+        self.kept = (weight, weight_sums, weight_scale, bias)
+        self.addresses = [None if t is None else t.data_ptr() for t in self.kept]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        rows = x.shape[0]
+        if not 1 <= rows <= INT8_MAX_ROWS or x.dtype not in CACHE_DTYPES:
+            return None
+        if x.shape[1] != self.in_features or not x.is_contiguous():
+            return None
+        out = torch.empty(rows, self.out_features, dtype=x.dtype)
+        status = self.kernel(
+            x.data_ptr(),
+            *self.addresses,
+            out.data_ptr(),
+            rows,
+            self.in_features,
+            self.out_features,
+            x.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "linear_int8")
         return out
 
 

@@ -83,3 +83,39 @@ def test_keeps_the_input_dtype_and_leading_shape(kernel: cpu_ops.CpuKernels) -> 
         compiled, plain = Int8Linear(linear, kernel)(x), Int8Linear(linear)(x)
     assert compiled.dtype == torch.bfloat16 and compiled.shape == (2, 3, 32)
     assert torch.equal(compiled, plain)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])  # 5: past the kernel, the three-call path
+def test_the_small_batch_kernel_is_bit_identical_to_the_three_call_path(
+    kernel: cpu_ops.CpuKernels, dtype: torch.dtype, bias: bool, rows: int
+) -> None:
+    """1-4 rows in one VNNI call (quantize, dot products offset by 128, the offset taken off,
+    scales and bias) against quantize + torch._int_mm + dequantize; 972 outputs: a tail after
+    the last tile of 8."""
+    if not kernel.int8_vnni:
+        pytest.skip("this CPU has no AVX512-VNNI: the small-batch int8 kernel is not built")
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 972, bias=bias).to(dtype)
+    fused, plain = Int8Linear(linear, kernel), Int8Linear(linear)
+    assert fused.small_batch is not None and plain.small_batch is None
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(fused(x), plain(x))
+
+
+def test_the_small_batch_kernel_declines_what_it_does_not_take(
+    kernel: cpu_ops.CpuKernels,
+) -> None:
+    """An input size not a multiple of 64 gets no kernel; a strided x or float16 is declined
+    per call (the layer then takes the three-call path)."""
+    assert Int8Linear(nn.Linear(80, 16), kernel).small_batch is None
+    layer = Int8Linear(nn.Linear(128, 16), kernel)
+    if layer.small_batch is None:
+        pytest.skip("this CPU has no AVX512-VNNI: the small-batch int8 kernel is not built")
+    strided = torch.randn(2, 256)[:, ::2]
+    assert layer.small_batch(strided) is None
+    assert layer.small_batch(torch.randn(2, 128, dtype=torch.float16)) is None
+    assert layer.small_batch(torch.randn(0, 128)) is None
+    assert torch.equal(layer(strided), layer(strided.contiguous()))  # the three-call path

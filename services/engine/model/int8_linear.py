@@ -8,7 +8,9 @@
 - **The GEMM**: ``torch._int_mm`` (oneDNN: int8 dot products accumulated in int32, VNNI's
   ``VPDPBUSD`` where the CPU has it), between the two compiled passes of
   ``kernels/csrc/int8_cpu.c`` (or their PyTorch reference): quantize the rows before it, apply
-  both scales and the bias in one pass after it. ``y = (x_q @ w_q.T) * s_x * s_w + b``.
+  both scales and the bias in one pass after it. ``y = (x_q @ w_q.T) * s_x * s_w + b``. At 1-4
+  rows (a decode step of a few sequences) one compiled call does all three, reading the int8
+  weights in place with VNNI (``CpuKernels.int8_small_batch``): same bits, a third of the calls.
 
 The LM head and the embedding stay in ``--dtype``: the logits' precision decides greedy ties,
 and the head's weight is the embedding's on tied models. How far the outputs move from bfloat16
@@ -23,6 +25,8 @@ import torch
 from torch import nn
 
 from kernels import reference
+
+SMALL_BATCH_MAX_ROWS = 4  # kernels.cpu_ops.INT8_MAX_ROWS (the compiled kernel's own check)
 
 
 @runtime_checkable
@@ -57,11 +61,20 @@ class Int8Linear(nn.Module):
         self.weight: torch.Tensor  # [out, in] int8: read as [in, out] by the GEMM
         self.weight_scale: torch.Tensor  # [out] float32
         self.bias: torch.Tensor | None  # [out] float32
+        self.weight_sums: torch.Tensor  # [out] int32: the small-batch kernel's offset term
         self.register_buffer("weight", weight)
+        self.register_buffer("weight_sums", weight.sum(dim=1, dtype=torch.int32))
         self.register_buffer("weight_scale", scale)
         self.register_buffer("bias", bias)
+        # 1-4 rows in one call where the ops have it (the compiled kernel, on VNNI CPUs).
+        bind = getattr(ops, "int8_small_batch", None)
+        self.small_batch = bind and bind(weight, self.weight_sums, scale, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_batch is not None and x.dim() == 2 and len(x) <= SMALL_BATCH_MAX_ROWS:
+            y = self.small_batch(x)  # the decode step's own [rows, in]: nothing to reshape
+            if y is not None:
+                return y
         shape, dtype = x.shape, x.dtype
         rows = x.reshape(-1, self.in_features)
         if not rows.is_contiguous():
