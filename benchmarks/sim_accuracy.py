@@ -22,9 +22,13 @@ Two columns of predictions each:
 
 - **raw**: the profile as it is (measured alone, one engine step at a time: the sweep's steps
   share the cores with the router, Redis and the load generator);
-- **calibrated**: the profile's prefill and decode times scaled by two factors per thread count,
-  fitted only on the sweep's *unloaded* rows (3 requests one at a time per configuration), never
-  on the loaded rows it is then compared with.
+- **calibrated**: two factors per thread count, fitted only on the sweep's *unloaded* rows (3
+  requests one at a time per configuration), never on the loaded rows it is then compared with:
+  the prompt part of a step scaled by the prefill factor, and (linear profiles, the default) the
+  decode factor's extra time of a one-sequence step added to every step: a fixed cost per step,
+  not per sequence (on a shared machine the unloaded step's extra is dispatch and the other
+  processes' time slices; a scale charged it again for every sequence of a loaded step and put
+  loaded TPOTs +20-50% over the measured ones). The measured curves are scaled.
 
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
@@ -120,19 +124,22 @@ CONFIGS = {
 
 
 def scaled_curve(curve: ThreadProfile, prefill: float, decode: float) -> ThreadProfile:
+    """Both curves scaled (the measured curves' points are not a base plus a per-sequence part
+    to add to: an added extra made their loaded TPOT worse, 44% -> 68% median error)."""
     points = [replace(p, seconds=p.seconds * decode) for p in curve.decode]
     seconds = [s * prefill for s in curve.prefill_seconds]
     return ThreadProfile(curve.num_threads, curve.prefill_tokens, seconds, points)
 
 
 def scaled_linear(profile: SimulationProfile, prefill: float, decode: float) -> SimulationProfile:
+    """Prompt terms x ``prefill``; a one-sequence step's extra at x ``decode`` added to the base."""
     s = profile.step
     step = StepTimeModel(
-        base_s=s.base_s * decode,
+        base_s=s.base_s + (decode - 1) * (s.base_s + s.decode_seq_s),
         prefill_token_s=s.prefill_token_s * prefill,
         prefill_pair_s=s.prefill_pair_s * prefill,
-        decode_seq_s=s.decode_seq_s * decode,
-        decode_context_s=s.decode_context_s * decode,
+        decode_seq_s=s.decode_seq_s,
+        decode_context_s=s.decode_context_s,
     )
     return replace(profile, step=step)
 

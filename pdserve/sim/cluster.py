@@ -19,6 +19,9 @@ What each part does, as the real one does:
   lease; the request joins its decode worker's queue; when admitted (blocks for the prompt) it
   pulls over that worker's link (one pull at a time, ``latency + bytes / bandwidth``) while the
   worker steps; the pinned blocks are freed when the pull ends; it decodes from the next step.
+  With ``early_handle`` (the streamed hand-off's order) the decode worker has admitted the
+  request while the prompt computed, so its pull starts when the prompt's step ends instead of
+  at the decode worker's next step boundary.
   A handle not taken within the lease is freed and the decode worker recomputes the prompt
   (the real decode worker renews the lease while it waits for room: ``lease_renewed``).
 """
@@ -56,6 +59,11 @@ class Layout:
     policy: str = "least_loaded"
     lease_s: float = 5.0  # the prefill workers' --lease-seconds
     lease_renewed: bool = True  # the decode worker renews it while waiting for room
+    # The streamed hand-off (the default): the prefill worker sends the KV handle before the
+    # step that computes the prompt, so the decode worker admits the request at a step
+    # boundary while the prompt computes, and its pull waits at the prefill worker for the
+    # blocks. False: the handle after that step (the decode worker learns of it then).
+    early_handle: bool = True
 
     def __post_init__(self) -> None:
         if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:
@@ -285,6 +293,9 @@ class Simulation:
         decode.waiting.append(request)
         if not self.layout.lease_renewed:
             self.push(now + self.layout.lease_s, LEASE_END, request)
+        if self.layout.early_handle:  # admitted already: the pull starts as the blocks are
+            for admitted in decode.admit():  # ready, not at the decode worker's next step
+                self.start_pull(decode, admitted, now)
         self.kick(decode, now)
 
     def start_pull(self, worker: SimWorker, request: SimRequest, now: float) -> None:
