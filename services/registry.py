@@ -105,10 +105,17 @@ class Fingerprint:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # --quantization: an int8 model's KV is not the float model's, though its layout is the same.
+    quantization: str = "none"
 
     def key(self) -> str:
-        """A stable 16-hex-digit hash of all fields (equal fingerprints, equal keys)."""
-        canonical = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        """A stable 16-hex-digit hash of all fields (equal fingerprints, equal keys). Without
+        quantization the field is left out, so such a worker's key is what it was before the
+        field existed (a rolling upgrade keeps its pairs)."""
+        fields = dataclasses.asdict(self)
+        if fields["quantization"] == "none":
+            del fields["quantization"]
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def diff(self, other: Fingerprint) -> list[str]:
@@ -303,6 +310,7 @@ class FingerprintModel(_Strict):
     num_layers: Size
     num_kv_heads: Size
     head_dim: Size
+    quantization: Token = "none"  # absent from records of older workers
 
 
 class RecordModel(_Strict):

@@ -155,6 +155,7 @@ def fingerprint_of(engine: LLMEngine, model: str | None, block_size: int) -> Fin
         num_layers=cfg.num_layers,
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
+        quantization=engine.config.quantization,
     )
 
 

@@ -153,7 +153,10 @@ class HandleChecker:
 
     async def rejection(self, handle: pb.KVHandle) -> str | None:
         if handle.fingerprint != self.fingerprint:
-            return "its fingerprint differs from this worker's (another model, layout or dtype)"
+            return (
+                "its fingerprint differs from this worker's "
+                "(another model, layout, dtype or quantization)"
+            )
         if self.records is None:
             return None
         worker_id = handle.prefill_worker_id

@@ -4,6 +4,8 @@ prefix index, Redis restarts, passwords; and the RedisServer that runs Redis for
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import os
 import socket
 import ssl
@@ -97,6 +99,20 @@ async def sample(read: Callable[[], list[str]], into: list[list[str]]) -> None:
 
 
 # -- records and fingerprints (no Redis) --------------------------------------------------------
+
+
+def test_an_int8_worker_pairs_only_with_int8_workers_and_a_float_key_is_unchanged() -> None:
+    """--quantization int8 computes other KV from the same layout: the fingerprints differ and
+    say why. Without quantization the key is the one fingerprints had before the field (the
+    canonical JSON of the other fields), so workers of either version keep their pairs."""
+    int8 = Fingerprint(**{**FP.__dict__, "quantization": "int8"})
+    assert FP.quantization == "none" and FP.key() != int8.key()
+    assert FP.describe_diff(int8) == "quantization none != int8"
+    old = {k: v for k, v in FP.__dict__.items() if k != "quantization"}
+    canonical = json.dumps(old, sort_keys=True, separators=(",", ":"))
+    assert FP.key() == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    p, d = make_record("p1", "prefill", int8), make_record("d1", "decode")
+    assert "quantization int8 != none" in (incompatibility_reason(p, d) or "")
 
 
 def test_fingerprint_key_and_diff() -> None:

@@ -85,7 +85,10 @@ def with_(key: str, value: Any) -> dict[str, Any]:
 
 
 RECORD_FIELDS = [f.name for f in dataclasses.fields(WorkerRecord) if f.name != "proof"]
-FP_FIELDS = [f"fingerprint.{f.name}" for f in dataclasses.fields(Fingerprint)]
+# quantization may be absent (a record of an older worker): "none"
+FP_FIELDS = [
+    f"fingerprint.{f.name}" for f in dataclasses.fields(Fingerprint) if f.name != "quantization"
+]
 INT_FIELDS = [
     "pid",
     "num_running",
@@ -110,6 +113,7 @@ STR_FIELDS = [
     "fingerprint.weights_hash",
     "fingerprint.tokenizer_hash",
     "fingerprint.kv_dtype",
+    "fingerprint.quantization",
 ]
 DEEP = "[" * 5000 + "]" * 5000
 Case = dict[str, Any] | str | bytes
