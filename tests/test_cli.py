@@ -246,6 +246,7 @@ VLLM_SERVE = [
     "--host", "0.0.0.0", "--port", "9000", "--served-model-name", "chat",
     "--api-key", "sk-1", "--dtype", "bfloat16", "--max-model-len", "512",
     "--chat-template", "t.jinja", "--tokenizer", "/tok", "--generation-config", "vllm",
+    "--quantization", "int8",
 ]  # fmt: skip
 
 
@@ -270,9 +271,12 @@ def test_serve_and_up_take_what_a_vllm_serve_user_types(command):
         ("--generation-config", "vllm"),
     } <= pairs(router)
     assert "sk-1" not in router  # the key goes by environment
-    assert {("--host", "127.0.0.1"), ("--model", "/models/m"), ("--dtype", "bfloat16")} <= pairs(
-        workers
-    )
+    assert {
+        ("--host", "127.0.0.1"),
+        ("--model", "/models/m"),
+        ("--dtype", "bfloat16"),
+        ("--quantization", "int8"),  # every worker runs the same weights
+    } <= pairs(workers)
     assert {("--tokenizer", "/tok"), ("--max-model-len", "512")} <= pairs(workers)
     assert up_config_from_args(parse([command, "--model", "m", "m"], {})).engine.model == "m"
     with pytest.raises(ValueError, match="two models: a and --model b"):
