@@ -107,9 +107,12 @@ NAMES = {
 PAIRS = [("hf16", "hf16eager"), ("hf16", "pdserve16"), ("hf32", "hf16"), ("hf32", "pdserve16")]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None, description: str = __doc__.splitlines()[0]
+) -> argparse.Namespace:
+    """--prompts, --tokens, --threads, --out-dir (int8_quality.py takes the same)."""
     parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")

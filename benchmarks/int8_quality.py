@@ -23,20 +23,17 @@ benchmarks/results/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shlex
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 from bf16_parity import PROMPTS, tokens_before_parting
+from bf16_parity import parse_args as parity_args
 from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
 from tqdm import tqdm
-
-from services.engine.config import default_num_threads
 
 # side -> (dtype, quantization)
 SIDES = {
@@ -69,22 +66,6 @@ REFERENCE_TEXTS = [
     "by the gas molecules much more strongly than the long red ones, so blue light reaches your "
     "eyes from every part of the sky.<|im_end|>\n",
 ]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many prompts")
-    parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
-    parser.add_argument("--threads", type=int, default=default_num_threads(), help="torch threads")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args(argv)
-    if not 1 <= args.prompts <= len(PROMPTS):
-        parser.error(f"--prompts must be in 1..{len(PROMPTS)}")
-    if args.tokens < 1 or args.threads < 1:
-        parser.error("--tokens and --threads must be >= 1")
-    return args
 
 
 def measure(
@@ -139,7 +120,7 @@ def report(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parity_args(argv, __doc__.splitlines()[0])
     command = "python " + shlex.join(sys.argv)
     machine = machine_info(args.threads)
     print(f"$ {command}")
