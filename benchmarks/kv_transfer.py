@@ -51,16 +51,27 @@ def block_sets(tokens: list[int], num_blocks: int, seed: int) -> dict[int, list[
     return {n: rng.sample(range(num_blocks), -(-n // LAYOUT.block_size)) for n in tokens}
 
 
+def synchronized(fn: Callable[[], Any], device: torch.device) -> Callable[[], None]:
+    """``fn`` that returns once the device has finished its work (a GPU runs asynchronously)."""
+
+    def call() -> None:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return call
+
+
 def time_memcpy(
     kv: torch.Tensor, sets: dict[int, list[int]], args: argparse.Namespace
 ) -> dict[int, float]:
     out = {}
     for n, ids in sets.items():
-        index = torch.tensor(ids)
+        index = torch.tensor(ids, device=kv.device)
         gather = functools.partial(torch.index_select, kv, 0, index)
         if args.reuse_buffer:
-            gather = functools.partial(gather, out=LAYOUT.empty_blocks(len(ids)))
-        out[n] = median_seconds(gather, args.repeats, 2)
+            gather = functools.partial(gather, out=LAYOUT.empty_blocks(len(ids), kv.device))
+        out[n] = median_seconds(synchronized(gather, kv.device), args.repeats, 2)
     return out
 
 
@@ -75,15 +86,17 @@ def time_transport(
         token="bench",
         pins={f"r{n}": ids for n, ids in sets.items()},
         num_threads=args.threads,
+        device=args.device,
+        options={"device": args.device} if transport == "torch" else {},
     )
     results: dict[int, float] = {}
     with ServerProcess(spec) as server:
 
         async def run() -> None:
-            client = make_client(transport, token="bench")
+            client = make_client(transport, token="bench", device=args.device)
             for n, ids in sets.items():
                 times = []
-                out = LAYOUT.empty_blocks(len(ids)) if args.reuse_buffer else None
+                out = LAYOUT.empty_blocks(len(ids), args.device) if args.reuse_buffer else None
                 for i in range(args.warmup + args.repeats):
                     start = time.perf_counter()
                     await client.pull(server.address, f"r{n}", ids, LAYOUT, 60.0, out=out)
@@ -173,6 +186,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--device", default="cpu", help="where both KV pools live (cuda: the GPU's memory)"
+    )
+    parser.add_argument(
         "--reuse-buffer",
         action="store_true",
         help="receive (and memcpy) into one preallocated tensor instead of a fresh one per pull",
@@ -235,7 +251,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     kv = make_kv_cache(LAYOUT, args.num_blocks, args.seed)
     sets = block_sets(args.tokens, args.num_blocks, args.seed)
-    memcpy = time_memcpy(kv, sets, args)
+    memcpy = time_memcpy(kv.to(args.device), sets, args)
     checksums = time_checksums(kv)
     # ucx last: once ucxx is initialized, its progress thread stays in this process.
     order = sorted(args.transports, key=lambda name: name == "ucx")
@@ -243,10 +259,14 @@ def main() -> None:
     with tqdm(total=len(args.transports) * len(sets), desc="kv transfer", unit="size") as bar:
         for transport in order:
             bar.set_postfix_str(transport)
-            timings[transport] = time_transport(transport, sets, args, bar)
+            try:
+                timings[transport] = time_transport(transport, sets, args, bar)
+            except Exception as error:  # one transport failing here says why, the rest still run
+                print(f"\n{transport}: FAILED on {args.device}: {type(error).__name__}: {error}")
+    args.transports = [t for t in args.transports if t in timings]
     timings = {t: timings[t] for t in args.transports}
     print(
-        f"\nKV transfer on loopback, {LAYOUT} ({LAYOUT.bytes_per_block} B/block), "
+        f"\nKV transfer on loopback, {args.device}, {LAYOUT} ({LAYOUT.bytes_per_block} B/block), "
         f"median of {args.repeats}, {args.threads} torch thread(s) per process, "
         f"{'reused' if args.reuse_buffer else 'fresh'} output buffers"
     )

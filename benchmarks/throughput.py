@@ -1,9 +1,9 @@
 """Offline throughput: pdserve (continuous batching) vs transformers ``generate`` (static batching).
 
 What is measured: output tokens per second of the same model (default SmolLM2-135M-Instruct, the
-same GGUF file loaded by each side, float32) on the same prompts with the same per-request output
-lengths, at several numbers of concurrent requests N, in one process with the same torch thread
-count.
+same GGUF file loaded by each side, float32 unless --dtype, on the CPU unless --device) on the
+same prompts with the same per-request output lengths, at several numbers of concurrent requests
+N, in one process with the same torch thread count.
 
 * Prompts: varied short prompts (about 10-60 tokens) from a fixed list, cycled; tokenized once
   and given to both sides as the same token ids.
@@ -26,6 +26,7 @@ Run (the full benchmark takes several minutes on a few cores):
 
     python benchmarks/throughput.py                        # N = 1, 8, 32, 64; 16..256 tokens
     python benchmarks/throughput.py --batch-sizes 1,4 --min-out 4 --max-out 12 --repeats 1
+    python benchmarks/throughput.py --device cuda --dtype bfloat16   # on a GPU
 
 Prints the command line, the machine and a table; writes throughput.json and throughput.png to
 --out-dir (default benchmarks/results/).
@@ -130,6 +131,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)"
     )
+    parser.add_argument("--device", default="cpu", help="torch device of both sides: cpu, cuda")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and activations of both sides",
+    )
     parser.add_argument(
         "--prefix-caching",
         action="store_true",
@@ -152,10 +160,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def machine_info(threads: int) -> dict[str, Any]:
+def machine_info(threads: int, device: str) -> dict[str, Any]:
     import transformers
 
-    return shared_machine_info(threads, transformers=transformers.__version__)
+    extra: dict[str, Any] = {"transformers": transformers.__version__}
+    if device.startswith("cuda"):
+        extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return shared_machine_info(threads, **extra)
 
 
 def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
@@ -166,9 +177,11 @@ def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
         f"usable, load avg {machine['load_avg_1m_at_start']}), torch {machine['torch']} "
         f"({machine['torch_threads']} threads), "
         f"transformers {machine['transformers']}, python {machine['python']}"
+        + (f", GPU {machine['gpu']}" if "gpu" in machine else "")
     )
     print(
-        f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, float32, greedy; "
+        f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, {args.dtype} on "
+        f"{args.device}, greedy; "
         f"output lengths uniform in [{args.min_out}, {args.max_out}] (seed {args.seed}); "
         f"median of {args.repeats}; pdserve prefix caching "
         f"{'on' if args.prefix_caching else 'off'}"
@@ -181,7 +194,7 @@ def draw_output_lens(count: int, low: int, high: int, seed: int) -> list[int]:
     return [rng.randint(low, high) for _ in range(count)]
 
 
-def load_hf(model: str | None) -> tuple[Any, Any]:
+def load_hf(model: str | None, device: str, dtype: str) -> tuple[Any, Any]:
     """transformers' tokenizer and model for the same weights pdserve loads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -193,8 +206,8 @@ def load_hf(model: str | None) -> tuple[Any, Any]:
     else:
         where, kwargs = str(path), {}
     tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
-    return tokenizer, hf_model.eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kwargs)
+    return tokenizer, hf_model.to(device).eval()
 
 
 def load_pdserve(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
@@ -206,7 +219,8 @@ def load_pdserve(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
     blocks_per_seq = -(-(max(prompt_lens) + args.max_out + 1) // block)
     return LLM(
         model=args.model,
-        dtype="float32",
+        device=args.device,
+        dtype=args.dtype,
         block_size=block,
         num_blocks=n_max * blocks_per_seq + 16,
         enable_prefix_caching=args.prefix_caching,
@@ -239,7 +253,7 @@ def pad_left(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
 
 def run_hf(hf_model: Any, pad_id: int, prompts: list[list[int]], lens: list[int]) -> float:
     """Seconds for one static-batch ``generate`` that runs until the longest request is done."""
-    ids, mask = pad_left(prompts, pad_id)
+    ids, mask = (t.to(hf_model.device) for t in pad_left(prompts, pad_id))
     steps = max(lens)
     gc.collect()
     start = time.perf_counter()
@@ -251,7 +265,7 @@ def run_hf(hf_model: Any, pad_id: int, prompts: list[list[int]], lens: list[int]
             min_new_tokens=steps,
             do_sample=False,
             pad_token_id=pad_id,
-        )
+        ).cpu()  # waits for the device, as pdserve's outputs (token ids on the host) do
     elapsed = time.perf_counter() - start
     if out.shape != (len(prompts), ids.shape[1] + steps):
         raise RuntimeError(
@@ -367,11 +381,11 @@ def warm_up(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    machine = machine_info(args.threads)
+    machine = machine_info(args.threads, args.device)
     command = print_header(args, machine)
 
     print("loading models ...", flush=True)
-    tokenizer, hf_model = load_hf(args.model)
+    tokenizer, hf_model = load_hf(args.model, args.device, args.dtype)
     prompts = [tokenizer(p).input_ids for p in PROMPTS]
     llm = load_pdserve(args, [len(p) for p in prompts])
     torch.set_num_threads(args.threads)  # the same for both sides, whatever loading did
@@ -392,11 +406,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     header = {"command": command, "machine": machine, "prompt_lens": [len(p) for p in prompts]}
     save_json(args.out_dir / "throughput.json", args, header, points)
+    where = machine.get("gpu", f"{machine['torch_threads']} threads")
     title = (
-        f"SmolLM2-135M float32, {machine['torch_threads']} threads, "
-        f"out len U[{args.min_out},{args.max_out}]"
+        f"SmolLM2-135M {args.dtype}, {where}, out len U[{args.min_out},{args.max_out}]"
         if args.model is None
-        else f"{args.model}, float32, {machine['torch_threads']} threads"
+        else f"{Path(args.model).name}, {args.dtype}, {where}"
     )
     save_plot(args.out_dir / "throughput.png", points, title)
     print(f"saved {args.out_dir / 'throughput.json'} and {args.out_dir / 'throughput.png'}")

@@ -117,22 +117,27 @@ def _load_kv_tile(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, ctx_ptr, out_ptr, part_ml_ptr, part_acc_ptr,
     stride_qs, stride_qh, stride_qd,
     stride_cb, stride_co, stride_ch, stride_cd,
     stride_ts, stride_tb,
     stride_os, stride_oh, stride_od,
-    qk_scale, max_len, group, head_dim,
+    qk_scale, max_len, num_heads, group, head_dim, part_tokens, num_parts,
     BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """One program per (sequence, KV head): its ``group`` query heads share each loaded KV tile.
+    """One program per (sequence, KV head, context partition): its ``group`` query heads share
+    each loaded KV tile.
 
     Decode has one query row per head, too few for ``tl.dot`` (needs >= 16 rows), so scores and
     outputs are broadcast-multiply-reduce over a [BLOCK_G, BLOCK_N, BLOCK_D] product in fp32.
+    Without ``SPLIT`` the one partition is the whole context and the output is stored; with it,
+    the partition's running max, sum and unnormalized output go to the partial buffers for
+    ``_decode_reduce_kernel`` (a partition past a short sequence's end stores max -inf, sum 0).
     """
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    part = tl.program_id(2)
     ctx = tl.minimum(tl.load(ctx_ptr + seq), max_len)  # reference attends to <= max_len tokens
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -147,16 +152,18 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table_row = table_ptr + seq * stride_ts
-    for start in range(0, ctx, BLOCK_N):
+    lo = part * part_tokens
+    hi = tl.minimum(ctx, lo + part_tokens)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < ctx
+        n_mask = n < hi
         k = _load_kv_tile(k_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
                           stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
         v = _load_kv_tile(v_cache_ptr, table_row, stride_tb, n, n_mask, kv_head, d, d_mask,
                           stride_cb, stride_co, stride_ch, stride_cd, BLOCK_SIZE)
         s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, N], log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every tile holds >= 1 valid key (start < ctx), so m_new is finite: no inf - inf.
+        # Every tile holds >= 1 valid key (start < hi), so m_new is finite: no inf - inf.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -165,14 +172,68 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = acc / l_i[:, None]
-    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLIT:
+        # Partial buffers: ml [seqs, heads, parts, 2] (max, sum); acc [seqs, heads, parts, D].
+        row = (seq * num_heads + heads) * num_parts + part  # [G]
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+        acc_ptrs = part_acc_ptr + row[:, None] * head_dim + d[None, :]
+        tl.store(acc_ptrs, acc, mask=q_mask)
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_ml_ptr, part_acc_ptr, out_ptr,
+    stride_os, stride_oh, stride_od,
+    num_heads, num_parts, head_dim,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (sequence, head): the partitions' outputs rescaled to their common max
+    and summed (partition 0 always holds keys, so the max is finite)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    p_mask = p < num_parts
+    d_mask = d < head_dim
+    row = (seq * num_heads + head) * num_parts + p  # [P]
+    m = tl.load(part_ml_ptr + row * 2, mask=p_mask, other=float("-inf"))
+    total = tl.load(part_ml_ptr + row * 2 + 1, mask=p_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * head_dim + d[None, :],
+                  mask=p_mask[:, None] & d_mask[None, :], other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0))  # 0 for an empty partition (max -inf)
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    o_ptrs = out_ptr + seq * stride_os + head * stride_oh + d * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 def _decode_tile_tokens(block_g: int, block_d: int) -> int:
     """Keys per tile: keep the [G, N, D] fp32 product near 4K elements (registers), N >= 16."""
     return max(_pow2(4096 // (block_g * block_d)), 16)
+
+
+# Flash-decoding: a long context is split into partitions that run in parallel when there are
+# too few (sequence, KV head) programs to fill the GPU (one program walking 2,048 keys alone
+# took 275 us on an H100, 16 partitions 26 us; docs/benchmarks.md). Below SPLIT_FROM_TOKENS the
+# walk costs less than the second launch the merge needs (~30 us of Python each, there).
+SPLIT_FROM_TOKENS = 1024
+MIN_PARTITION_TOKENS = 128
+PROGRAMS_PER_SM = 4
+
+
+def _decode_partitions(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
+    """Partitions per (sequence, KV head): enough programs for every SM, none below
+    ``MIN_PARTITION_TOKENS`` keys; one for a context under ``SPLIT_FROM_TOKENS`` and on a CPU
+    (where the interpreter runs these kernels)."""
+    if device.type != "cuda" or max_len < SPLIT_FROM_TOKENS:
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = -(-PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads))
+    return max(1, min(wanted, max_len // MIN_PARTITION_TOKENS))
 
 
 def paged_attention_decode(
@@ -183,11 +244,14 @@ def paged_attention_decode(
     context_lens: torch.Tensor,
     scale: float,
     max_context_len: int | None = None,
+    *,
+    partitions: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence attends to its whole context (see the reference).
 
     ``max_context_len`` (if given) caps the attended length, as in the reference; it saves the
-    host sync of ``context_lens.max()``, which this kernel never needs.
+    host sync of ``context_lens.max()``, and lets a long context be split into ``partitions``
+    that run in parallel (None: as many as fill the GPU; without ``max_context_len``, one).
     """
     _check_cache(key_cache, value_cache)
     num_seqs, num_heads, head_dim = query.shape
@@ -199,14 +263,34 @@ def paged_attention_decode(
         return out
     group = num_heads // num_kv_heads
     block_g, block_d = _pow2(group), _pow2(head_dim)
-    max_len = 2**31 - 1 if max_context_len is None else int(max_context_len)
-    _decode_kernel[(num_seqs, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, context_lens, out,
+    block_n = _decode_tile_tokens(block_g, block_d)
+    if max_context_len is None:
+        if partitions not in (None, 1):
+            raise ValueError("splitting the context into partitions needs max_context_len")
+        max_len, partitions = 2**31 - 1, 1
+    else:
+        max_len = int(max_context_len)
+        if partitions is None:
+            partitions = _decode_partitions(num_seqs, num_kv_heads, max_len, query.device)
+    # Whole tiles per partition; rounding them up may leave fewer partitions than asked for.
+    part_tokens = max(block_n, -(-max_len // (partitions * block_n)) * block_n)
+    partitions = max(1, -(-max_len // part_tokens)) if partitions > 1 else 1
+    part_tokens = part_tokens if partitions > 1 else max_len
+    split = partitions > 1
+    rows = (num_seqs, num_heads, partitions) if split else (0, 0, 0)
+    part_ml = torch.empty((*rows, 2), dtype=torch.float32, device=query.device)
+    part_acc = torch.empty((*rows, head_dim), dtype=torch.float32, device=query.device)
+    _decode_kernel[(num_seqs, num_kv_heads, partitions)](
+        query, key_cache, value_cache, block_tables, context_lens, out, part_ml, part_acc,
         *query.stride(), *key_cache.stride(), *block_tables.stride(), *out.stride(),
-        scale * _LOG2E, max_len, group, head_dim,
-        BLOCK_SIZE=block_size, BLOCK_G=block_g,
-        BLOCK_N=_decode_tile_tokens(block_g, block_d), BLOCK_D=block_d,
+        scale * _LOG2E, max_len, num_heads, group, head_dim, part_tokens, partitions,
+        BLOCK_SIZE=block_size, BLOCK_G=block_g, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
     )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_ml, part_acc, out, *out.stride(), num_heads, partitions, head_dim,
+            BLOCK_P=_pow2(partitions), BLOCK_D=block_d,
+        )
     return out
 
 

@@ -41,6 +41,7 @@ class ServerSpec:
     pins: dict[str, list[int]] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     num_threads: int = 1
+    device: str = "cpu"  # where the served cache lives (cuda: the torch transport sends by NCCL)
 
 
 def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
@@ -66,7 +67,7 @@ class _StallingSource(TensorBlockSource):
 
 def _child_main(spec: ServerSpec, conn: Connection) -> None:
     torch.set_num_threads(spec.num_threads)
-    kv_cache = make_kv_cache(spec.layout, spec.num_blocks, spec.seed)
+    kv_cache = make_kv_cache(spec.layout, spec.num_blocks, spec.seed).to(spec.device)
     path = None
     if spec.transport == "shm":  # the cache must live in a file the client can map
         path = f"/dev/shm/pdserve-test-{os.getpid()}"

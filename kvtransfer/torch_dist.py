@@ -7,8 +7,10 @@ own group, cached on both sides for the life of the pair's control connection.
 Address: ``torch://HOST:CONTROL_PORT``. The control channel uses the tcp transport's framing
 (:mod:`kvtransfer.framing`) and listener (its pre-auth and connection limits):
 
-1. CONNECT (once per pair): the client presents the token and its backend; the server replies
-   with a fresh secret pair id; both build the group, server rank 0, client rank 1, on the
+1. CONNECT (once per pair): the client presents the token, its backend and its GPU's UUID (NCCL
+   only); the server refuses a client on its own GPU, which NCCL cannot join (it allows one rank
+   per GPU in a group), with the reason and the alternatives; else it replies with a fresh
+   secret pair id; both build the group, server rank 0, client rank 1, on the
    pair's rendezvous store: an in-process store on the server that the client reaches only
    through OP_STORE requests on this same listener, with the token and the pair id
    (:mod:`kvtransfer.pair_store`; no torch ``TCPStore`` listens, so nothing unauthenticated
@@ -60,6 +62,20 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def gpu_uuid(device: torch.device) -> str | None:
+    """The UUID of ``device``'s GPU (the same in every process), None for the CPU."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def same_gpu_refusal(uuid: str) -> str:
+    return (
+        f"prefill and decode share one GPU ({uuid}), and NCCL joins one process per GPU: put "
+        "them on different GPUs, or use another transport (--kv-transport tcp or ucx)"
+    )
+
+
 def make_pair_group(store: dist.Store, rank: int, backend: str, host: str, timeout: float) -> Group:
     """A 2-rank group for one pair on its own store (blocks until the peer joins or
     ``timeout``)."""
@@ -104,6 +120,7 @@ class TorchKVServer(KVTransferServer):
         NCCL, else gloo); ``group_timeout``: the longest a pair's setup or a send may take."""
         super().__init__(*args, **kwargs)
         self.backend = backend_for(torch.device(device))
+        self.gpu = gpu_uuid(torch.device(device))
         self.group_timeout = group_timeout
         self._listener = framing.SocketListener(self._serve_connection)
         self._stores: dict[str, dist.Store] = {}  # pair id -> its rendezvous store
@@ -200,6 +217,9 @@ class TorchKVServer(KVTransferServer):
         if hello.get("backend") != self.backend:
             self._record_failure("refused")
             raise TransferError("refused", f"server uses {self.backend}, client {hello}")
+        if self.gpu is not None and hello.get("gpu") == self.gpu:
+            self._record_failure("refused")
+            raise TransferError("refused", same_gpu_refusal(self.gpu))
         pair_id = secrets.token_hex(16)
         store = pair_store.new_pair_store(self.group_timeout)
         self._stores[pair_id] = store
@@ -268,6 +288,7 @@ class TorchKVClient(KVTransferClient):
         """:class:`KVTransferClient`'s arguments: a pair per server, no other options."""
         super().__init__(*args, **kwargs)
         self.backend = backend_for(self.device)
+        self.gpu = gpu_uuid(self.device)
         self._pairs: dict[str, _Pair] = {}
         self._connecting: dict[str, asyncio.Lock] = {}
         self._collectives = self.thread_pool(COLLECTIVE_THREADS, "collective")
@@ -317,7 +338,7 @@ class TorchKVClient(KVTransferClient):
         try:
             framing.tune_socket(sock)
             await loop.sock_connect(sock, (host, port))
-            hello = json.dumps({"backend": self.backend})
+            hello = json.dumps({"backend": self.backend, "gpu": self.gpu})
             request = framing.Request(framing.OP_CONNECT, self.token or "", hello, [], 0)
             await loop.sock_sendall(sock, framing.encode_request(request))
             status, message, _ = await framing.read_reply(loop, sock)

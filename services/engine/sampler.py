@@ -17,6 +17,11 @@ Structured outputs: after the penalties, a row with a grammar has the tokens its
 masked (services/engine/grammar.py), greedy rows included. The masks are computed on a thread of
 their own while the model runs (``prepare``, called before the forward pass); a row not prepared
 (an n > 1 fork) is masked at sampling time.
+
+Logits on another device (a GPU) stay there for a batch of plain greedy rows (the argmax is all
+it needs); any other row brings the batch's logits to the host first, so draws, penalties and
+masks run on the CPU generators and CPU tensors the CPU engine uses, and a seeded request gives
+the same tokens wherever its logits were computed.
 """
 
 from __future__ import annotations
@@ -117,6 +122,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         logits = logits.float()
         params = [s.params for s in seqs]
+        if logits.device.type != "cpu" and not all(_plain_greedy(s) for s in seqs):
+            logits = logits.cpu()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)
             if any(p.logprobs is not None for p in params)
@@ -153,6 +160,19 @@ class Sampler:
         for i, seq in enumerate(seqs):
             noise[i].exponential_(generator=self._generator_of(seq))
         return (probs / noise).argmax(dim=-1)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Only an argmax: no logprobs, bias, min_tokens, penalties or grammar."""
+    p = seq.params
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and seq.num_output_tokens >= p.min_tokens
+        and not p.needs_penalties
+        and p.structured is None
+    )
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -179,6 +179,24 @@ def test_decode_max_context_len_and_strided_query() -> None:
         assert_close(actual, expected, torch.float32)
 
 
+@pytest.mark.parametrize("partitions", [2, 3, 7])
+def test_decode_split_into_partitions_matches_reference(partitions: int) -> None:
+    """Flash-decoding: partitions of the context run apart and are merged; a sequence shorter
+    than one partition leaves the others empty (max -inf, sum 0), which must weigh nothing."""
+    torch.manual_seed(4)
+    inputs = decode_inputs([1, 130, 37, 200, 16], (6, 2, 32), torch.float32)
+    actual = triton_ops.paged_attention_decode(*inputs, 0.2, 200, partitions=partitions)
+    assert_close(actual, reference.paged_attention_decode(*inputs, 0.2, 200), torch.float32)
+    capped = triton_ops.paged_attention_decode(*inputs, 0.2, 100, partitions=partitions)
+    assert_close(capped, reference.paged_attention_decode(*inputs, 0.2, 100), torch.float32)
+
+
+def test_decode_partitions_need_max_context_len() -> None:
+    inputs = decode_inputs([5, 9], (4, 2, 16), torch.float32)
+    with pytest.raises(ValueError, match="partitions needs max_context_len"):
+        triton_ops.paged_attention_decode(*inputs, 0.25, partitions=2)
+
+
 def test_decode_through_dispatcher() -> None:
     torch.manual_seed(3)
     inputs = decode_inputs([3, 33, 18], (4, 2, 32), torch.bfloat16)

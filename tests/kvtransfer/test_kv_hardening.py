@@ -5,6 +5,8 @@
   authenticated connections are held (``framing.MAX_CONNECTIONS`` by default), more are closed
   as they authenticate, and unauthenticated ones only up to their pre-auth budget; a
   connection that sends no complete request for the idle time is closed, others are served;
+- torch server: a client on the server's own GPU is refused at CONNECT with the way out (NCCL
+  cannot join two processes on one GPU);
 - shm client: its mappings of prefill workers' KV files are bounded (``shm.MAX_MAPPINGS``,
   least recently used dropped first), and one whose file is gone (a dead peer) is dropped.
 
@@ -30,6 +32,7 @@ from kvtransfer import KVLayout, TensorBlockSource, TransferError, make_client, 
 from kvtransfer import framing as fr
 from kvtransfer.shm import ShmKVClient, ShmKVServer
 from kvtransfer.tcp import TcpKVClient, TcpKVServer
+from kvtransfer.torch_dist import TorchKVServer
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, block_size=4)
 TOKEN = "t0k3n"
@@ -423,3 +426,39 @@ def test_a_server_stops_promptly_right_after_a_pull(tmp_path: Path) -> None:
         return bool(done)
 
     assert asyncio.run(run())
+
+
+def _torch_pull_from_gpu(server_gpu: str, client_gpu: str) -> torch.Tensor:
+    """A torch-transport pull between a server and a client that report these GPU UUIDs."""
+
+    async def run() -> torch.Tensor:
+        kv = torch.randn(NUM_BLOCKS, *LAYOUT.block_shape)
+        source = TensorBlockSource(kv, lease_seconds=60.0)
+        source.pin("ok", IDS, with_checksums=False)
+        server = TorchKVServer(source, LAYOUT, TOKEN)
+        server.gpu = server_gpu
+        address = await server.start("127.0.0.1")
+        client = make_client("torch", token=TOKEN)
+        client.gpu = client_gpu  # type: ignore[attr-defined]
+        try:
+            blocks = await client.pull(address, "ok", IDS, LAYOUT, 10.0)
+            assert torch.equal(blocks, kv[IDS])
+            return blocks
+        finally:
+            await client.close()
+            await server.stop()
+
+    return asyncio.run(run())
+
+
+def test_a_torch_client_on_the_servers_own_gpu_is_refused_with_the_way_out() -> None:
+    """On an H100, two processes on one GPU failed in NCCL's first recv ("Duplicate GPU
+    detected", docs/benchmarks.md); the server now refuses such a client at CONNECT, before any
+    group is built, and says what to do. This machine has no GPU: both ends keep their CPU
+    tensors (gloo) and only report the GPU UUIDs set here."""
+    with pytest.raises(TransferError) as caught:
+        _torch_pull_from_gpu("GPU-0f1e", "GPU-0f1e")
+    assert caught.value.reason == "refused"
+    assert "share one GPU (GPU-0f1e)" in str(caught.value)
+    assert "--kv-transport tcp or ucx" in str(caught.value)
+    _torch_pull_from_gpu("GPU-0f1e", "GPU-a2b3")  # another GPU: served
