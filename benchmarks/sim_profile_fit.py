@@ -64,6 +64,13 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.pop(int(np.argmin(coef)))
 
 
+def machine_of(machine: dict) -> str:
+    """Where a profile was measured, from its ``machine`` record."""
+    if "gpu" in machine:
+        return f"one {machine['gpu']} ({machine.get('cores', '?')} CPU cores)"
+    return f"a {machine.get('cores', '?')}-core {machine.get('cpu', 'CPU')} (shared: noisy)"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("measured", type=Path, help="a profile of `pdserve plan --measure`")
@@ -76,23 +83,24 @@ def main() -> int:
     x, y, names = design(curves)
     coef = fit_nonnegative(x, y)
     errors = {name: round(float(e), 3) for name, e in zip(names, (x @ coef - y) / y)}
+    where = machine_of(measured.machine)
     source = (
         f"least-squares fit (benchmarks/sim_profile_fit.py) to {args.measured.name}: "
         f"{len(y)} points measured with the real engine at {args.threads} torch threads by "
-        "`pdserve plan --measure` on this 2-core machine (shared: noisy)"
+        f"`pdserve plan --measure` on {where}"
     )
     per_token = measured.kv_bytes_per_token
     profile = {
         "name": args.name,
-        "description": f"{measured.model} on this machine, {args.threads} torch threads",
+        "description": f"{measured.model} on {where}, {args.threads} torch threads",
         "step": {k: {"value": float(v), "source": source} for k, v in zip(FIELDS, coef)},
         "kv_bytes_per_token": {
             "value": per_token,
-            "source": f"{args.measured.name}: the model's layers x 2 x kv heads x head dim x 2 B",
+            "source": f"{args.measured.name}: layers x 2 x KV heads x head dim x the dtype's bytes",
         },
         "kv_pool_tokens": {
             "value": measured.kv_pool_tokens,
-            "source": f"{args.measured.name}: the default 1 GiB KV pool",
+            "source": f"{args.measured.name}: the KV pool it was measured with",
         },
         "transfer_latency_s": {
             "value": measured.transfer_latency_s,

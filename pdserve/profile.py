@@ -224,6 +224,8 @@ class ProfileConfig:
     passes: int = 2  # over the whole grid; the lowest per-pass median is kept
     model: str | None = same_setting(EngineConfig, "model")
     cache_dir: str | None = same_setting(EngineConfig, "cache_dir")
+    device: str = same_setting(EngineConfig, "device")
+    dtype: str = same_setting(EngineConfig, "dtype")
     kv_cache_memory_bytes: int = 1 << 30  # the workers' default pool
 
     def __post_init__(self) -> None:
@@ -390,18 +392,19 @@ def measure_transfer(
     from kvtransfer import KVLayout, make_client
     from kvtransfer.server_process import ServerProcess, ServerSpec
 
-    mcfg = engine.model.config
+    mcfg, device = engine.model.config, engine.config.device
     layout = KVLayout(
         mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, engine.pool.block_size, "float32"
     )
     blocks = {n: list(range(math.ceil(n / layout.block_size))) for n in tokens}
     pins = {f"profile-{n}": ids for n, ids in blocks.items()}
-    spec = ServerSpec("tcp", layout, max(len(b) for b in blocks.values()), token="p", pins=pins)
+    num_blocks = max(len(b) for b in blocks.values())
+    spec = ServerSpec("tcp", layout, num_blocks, token="p", pins=pins, device=device)
     seconds: dict[int, float] = {}
     with ServerProcess(spec) as server:
 
         async def pull_all() -> None:
-            client = make_client("tcp", token="p")
+            client = make_client("tcp", token="p", device=device)
             for n, ids in blocks.items():
                 times = []
                 for i in range(repeats + 1):
@@ -423,6 +426,15 @@ def measure_transfer(
     return float(sizes[-1] / times[-1] / 1e9), 0.0  # one size, or noise: bandwidth alone
 
 
+def gpu_of(device: str) -> dict[str, str]:
+    """``{"gpu": its name}`` for a CUDA device, else nothing."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return {}
+    return {"gpu": torch.cuda.get_device_name(torch.device(device))}
+
+
 def measure_profile(config: ProfileConfig, show_progress: bool = True) -> WorkerProfile:
     """Measure every curve of ``config`` with the real engine (see the module doc)."""
     import torch
@@ -438,6 +450,8 @@ def measure_profile(config: ProfileConfig, show_progress: bool = True) -> Worker
     engine_config = EngineConfig(
         model=config.model,
         cache_dir=config.cache_dir,
+        device=config.device,
+        dtype=config.dtype,
         num_threads=max(config.threads),
         cache=CacheConfig(
             enable_prefix_caching=False, kv_cache_memory_bytes=config.kv_cache_memory_bytes
@@ -470,6 +484,7 @@ def measure_profile(config: ProfileConfig, show_progress: bool = True) -> Worker
         transfer_latency_s=latency,
         threads=curves,
         machine={
+            **gpu_of(engine_config.device),
             "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(),
             "load_avg_1m_at_start": round(load_avg, 2),
