@@ -55,6 +55,7 @@ from services.engine.model.loader import load_model
 from services.engine.model.packed_linear import (
     NUM_BUCKETS,
     SMALL_BATCH_MAX_ROWS,
+    SMALL_BATCH_PATHS,
     PackedLinear,
     bucket_of,
     can_run,
@@ -77,6 +78,7 @@ KINDS = {
     "bfloat16 widened, oneDNN": ("bfloat16", "float32"),
     "bfloat16 widened, MKL (F.linear)": ("bfloat16", "mkl"),
     "bfloat16 in place (ours, M<=4)": ("bfloat16", "small-batch"),
+    "bfloat16 in place, 4-row tiles (ours, M<=4)": ("bfloat16", "small-batch-4"),
 }
 
 
@@ -97,7 +99,8 @@ def gemm_gflops(
     assert len(paths) == len(SHAPES), "one path per shape"  # zip would drop layers silently
     small_batch = kernels.linear_bf16 if kernels is not None else None
     linears = [nn.Linear(i, o, bias=False).to(dtype) for i, o in SHAPES * 4]
-    if "small-batch" in paths and (small_batch is None or rows > SMALL_BATCH_MAX_ROWS):
+    small = any(p in SMALL_BATCH_PATHS for p in paths)
+    if small and (small_batch is None or rows > SMALL_BATCH_MAX_ROWS):
         return None
     if not all(can_run(p, x.weight, True) for p, x in zip(paths * 4, linears)):
         return None
@@ -138,7 +141,7 @@ def int8_gflops(rows: int, whole_layer: bool, kernels: Any, repeats: int) -> flo
 
 def every_row(path: str) -> tuple[str, ...]:
     """``path`` for each row bucket (the small-batch kernel only for the rows it takes)."""
-    if path != "small-batch":
+    if path not in SMALL_BATCH_PATHS:
         return (path,) * NUM_BUCKETS
     return tuple(path if bucket_of(4) >= b else "mkl" for b in range(NUM_BUCKETS))
 

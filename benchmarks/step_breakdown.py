@@ -9,8 +9,8 @@ through prefill and --warmup decode steps, then --steps decode steps are timed (
 How: the engine's own methods are wrapped with timers on the instance, from this script only
 (the engine's code is unchanged): ``runner.execute`` (input prep + model forward + logits; its
 ``model.forward`` and ``model.compute_logits`` are timed inside it), ``scheduler.schedule``,
-``scheduler.on_step_done``, ``sampler``, ``_process_token`` (detokenize + stop checks, per
-sequence) and ``_output`` (building the outputs, per request). "rest" is the ``step()`` total
+``scheduler.on_step_done``, ``sampler``, ``outputs.process_token`` (detokenize + stop checks, per
+sequence) and ``outputs.output`` (building the outputs, per request). "rest" is the ``step()`` total
 minus ``runner.execute``; "other" is what of the rest no wrapper covers (loops, forks,
 bookkeeping). Reported per part: the median over steps in ms, and its share of the summed step
 time over all timed steps (so shares add up to 100%).
@@ -77,7 +77,9 @@ class StepTimers:
         self.last: dict[str, Any] = {}
 
     def wrap(self, owner: object, attr: str, name: str) -> None:
-        """Replace ``owner.attr`` on the instance by a timed wrapper (the class is untouched)."""
+        """Replace ``owner.attr`` on the instance by a timed wrapper (the class is untouched;
+        ``__call__``, which Python looks up on the class, is wrapped in a per-instance
+        subclass)."""
         fn: Callable[..., Any] = getattr(owner, attr)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -92,7 +94,12 @@ class StepTimers:
             self.last[name] = result
             return result
 
-        setattr(owner, attr, timed)
+        if attr == "__call__":
+            owner.__class__ = type(
+                type(owner).__name__, (type(owner),), {"__call__": staticmethod(timed)}
+            )
+        else:
+            setattr(owner, attr, timed)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -109,6 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=default_num_threads(),
         help="torch threads; all usable cores unless set",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's dtype"
     )
     parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)"
@@ -138,7 +148,7 @@ def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
         f"python {machine['python']}"
     )
     print(
-        f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, float32, greedy; "
+        f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, {args.dtype}, greedy; "
         f"context {args.context} tokens (+1 per step); {args.warmup} warm-up + "
         f"{args.steps} timed decode steps per batch size"
     )
@@ -160,7 +170,7 @@ def load_engine(args: argparse.Namespace) -> Any:
     per_seq = -(-(args.context + max_output_tokens(args, batch)) // BLOCK_SIZE)
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         block_size=BLOCK_SIZE,
         num_blocks=batch * per_seq + 16,
         enable_prefix_caching=False,
@@ -178,9 +188,9 @@ def install_timers(engine: Any) -> StepTimers:
     timers.wrap(engine.runner.model, "compute_logits", "logits")
     timers.wrap(engine.scheduler, "schedule", "schedule")
     timers.wrap(engine.scheduler, "on_step_done", "on_step_done")
-    timers.wrap(engine, "sampler", "sampler")
-    timers.wrap(engine, "_process_token", "process_token")
-    timers.wrap(engine, "_output", "output")
+    timers.wrap(engine.sampler, "__call__", "sampler")
+    timers.wrap(engine.outputs, "process_token", "process_token")
+    timers.wrap(engine.outputs, "output", "output")
     return timers
 
 

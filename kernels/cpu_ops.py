@@ -123,6 +123,7 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
 LINEAR_MAX_ROWS = 4  # rows of x linear_bf16 takes (MAX_ROWS in linear_bf16_cpu.c)
+LINEAR_ROW_TILES = (8, 4)  # weight rows it reads together (its row_tile argument)
 INT8_MAX_ROWS = 4  # rows of x linear_int8 takes (INT8_MAX_ROWS in int8_cpu.c)
 NO_VNNI = 3  # linear_int8's status where it was compiled without AVX512-VNNI
 INT32_MAX = 2**31 - 1
@@ -172,7 +173,7 @@ class CpuKernels:
             self._decode[dtype] = fn
         self._linear = lib.linear_bf16
         self._linear.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        self._linear.argtypes += [ctypes.c_int]
+        self._linear.argtypes += [ctypes.c_int, ctypes.c_int]
         self._linear.restype = ctypes.c_int
         i64s = [i64] * 4
         self._norm = lib.add_rms_norm
@@ -266,12 +267,19 @@ class CpuKernels:
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def linear_bf16(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        row_tile: int = 8,
     ) -> torch.Tensor | None:
         """``x @ weight.T + bias`` in bfloat16 with float32 sums, the weight read in place; None
         where the kernel does not take the inputs (more than ``LINEAR_MAX_ROWS`` rows of x, an
         input size not a multiple of 16, not bfloat16 CPU tensors, a non-contiguous weight).
-        ``bias``: float32 or None."""
+        ``bias``: float32 or None. ``row_tile``: weight rows read together, one of
+        ``LINEAR_ROW_TILES`` (the same result; which is faster depends on the CPU)."""
+        if row_tile not in LINEAR_ROW_TILES:
+            raise ValueError(f"row_tile must be one of {LINEAR_ROW_TILES}, got {row_tile}")
         rows, in_features = x.shape
         out_features = weight.shape[0]
         if (
@@ -305,6 +313,7 @@ class CpuKernels:
             in_features,
             out_features,
             torch.get_num_threads(),
+            row_tile,
         )
         if status != 0:
             raise RuntimeError(f"CPU bfloat16 linear kernel failed (status {status})")

@@ -9,8 +9,11 @@
  *
  * Layout: x [rows, in] bfloat16 contiguous, W [out, in] bfloat16 contiguous (nn.Linear's own),
  * b [out] float32 or NULL, y [rows, out] bfloat16. Output features are spread over torch's OpenMP
- * threads (see paged_attention_cpu.c on why the same runtime); each thread takes eight weight rows
- * at a time so that every loaded x vector feeds eight, for at most MAX_ROWS rows of x.
+ * threads (see paged_attention_cpu.c on why the same runtime); each thread takes `row_tile` (4 or
+ * 8) weight rows at a time so that every loaded x vector feeds that many, for at most MAX_ROWS
+ * rows of x. Which tile reads faster depends on the CPU (how many interleaved row streams its
+ * prefetchers follow): on a Zen 4 VM 4 rows read 26 GB/s where 8 read 20, so the engine times
+ * both at start (services/engine/model/gemm_choice.py: paths small-batch and small-batch-4).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -18,41 +21,43 @@
 
 #include "vec16.h"
 
-#define MAX_ROWS 4 /* rows x ROW_TILE float32 sums: at 4 rows that is every AVX-512 register */
-#define ROW_TILE 8 /* weight rows per inner step: 8 streams keep more loads in flight than 2 or 4 */
+#define MAX_ROWS 4 /* rows x 8-row tile float32 sums: at 4 rows that is every AVX-512 register */
+#define MAX_ROW_TILE 8 /* weight rows per inner step: 4 or 8 (the caller's row_tile) */
 #define PREFETCH 128 /* elements ahead (4 cache lines) in each weight row: +30% read rate here */
 /* Each tile also prefetches the next tile, a step ahead of its own reads: the hardware prefetcher
  * does not follow eight interleaved row streams across tiles (+25% from memory, 18 -> 23 GB/s). */
 
-/* ROW_TILE output features [n, n + ROW_TILE) for every row; `xf` is x widened, [rows, in]. */
-static inline __attribute__((always_inline)) void tile(const float *xf, const uint16_t *w, const float *bias, uint16_t *y, int rows,
-                 int in, int out, int n) {
-    vec16 acc[MAX_ROWS][ROW_TILE];
+/* `row_tile` output features [n, n + row_tile) for every row; `xf` is x widened, [rows, in].
+ * Always inlined with constant `rows` and `row_tile`: the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *xf, const uint16_t *w,
+                                                       const float *bias, uint16_t *y, int rows,
+                                                       int row_tile, int in, int out, int n) {
+    vec16 acc[MAX_ROWS][MAX_ROW_TILE];
     memset(acc, 0, sizeof acc);
-    const uint16_t *wr[ROW_TILE];
-    for (int t = 0; t < ROW_TILE; t++) wr[t] = w + (int64_t)(n + t) * in;
+    const uint16_t *wr[MAX_ROW_TILE];
+    for (int t = 0; t < row_tile; t++) wr[t] = w + (int64_t)(n + t) * in;
     for (int k = 0; k < in; k += LANES) {
-        vec16 wv[ROW_TILE];
+        vec16 wv[MAX_ROW_TILE];
         /* The next tile's rows (contiguous after this tile's) at the rate this one is read. */
-        const char *next = (const char *)(w + (int64_t)(n + ROW_TILE) * in + (int64_t)k * ROW_TILE);
-        for (int line = 0; line < ROW_TILE * LANES * 2; line += 64) __builtin_prefetch(next + line);
-        for (int t = 0; t < ROW_TILE; t++) {
+        const char *next = (const char *)(w + (int64_t)(n + row_tile) * in + (int64_t)k * row_tile);
+        for (int line = 0; line < row_tile * LANES * 2; line += 64) __builtin_prefetch(next + line);
+        for (int t = 0; t < row_tile; t++) {
             __builtin_prefetch(wr[t] + k + PREFETCH); /* past the row's end: a no-op hint */
             wv[t] = load(wr[t], k, 1);
         }
         for (int m = 0; m < rows; m++) {
             const vec16 xv = *(const vec16 *)(xf + (int64_t)m * in + k);
-            for (int t = 0; t < ROW_TILE; t++) acc[m][t] += xv * wv[t];
+            for (int t = 0; t < row_tile; t++) acc[m][t] += xv * wv[t];
         }
     }
     for (int m = 0; m < rows; m++)
-        for (int t = 0; t < ROW_TILE; t++) {
+        for (int t = 0; t < row_tile; t++) {
             const float b = bias ? bias[n + t] : 0.0f;
             y[(int64_t)m * out + n + t] = to_bf16(sum_lanes(acc[m][t]) + b);
         }
 }
 
-/* One output feature at a time: the last out % ROW_TILE. */
+/* One output feature at a time: the last out % row_tile. */
 static void single(const float *xf, const uint16_t *w, const float *bias, uint16_t *y, int rows,
                    int in, int out, int n) {
     for (int m = 0; m < rows; m++) {
@@ -64,29 +69,35 @@ static void single(const float *xf, const uint16_t *w, const float *bias, uint16
 }
 
 /* Returns 0, or 1 for arguments it does not take (rows outside [1, MAX_ROWS], in not a multiple
- * of 16), 2 when out of memory. */
+ * of 16, row_tile not 4 or 8), 2 when out of memory. */
 int linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int rows,
-                int in, int out, int num_threads) {
+                int in, int out, int num_threads, int row_tile) {
     if (rows < 1 || rows > MAX_ROWS || in % LANES != 0 || out < 1) return 1;
+    if (row_tile != 4 && row_tile != 8) return 1;
     float *xf = aligned_alloc(64, sizeof(float) * (size_t)rows * (size_t)in);
     if (!xf) return 2;
     for (int64_t i = 0; i < (int64_t)rows * in; i++) {
         const uint32_t bits = (uint32_t)x[i] << 16;
         memcpy(xf + i, &bits, sizeof bits);
     }
-    const int tiles = out / ROW_TILE;
-    /* `rows` a constant in each loop: the compiler unrolls it and keeps the sums in registers */
-#define TILES(R)                                                                                   \
+    const int tiles = out / row_tile;
+    /* `rows` and the tile constants in each loop: the compiler unrolls them and keeps the sums in
+     * registers */
+#define TILES(R, T)                                                                                \
     _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                         \
-    for (int i = 0; i < tiles; i++) tile(xf, w, bias, y, R, in, out, i * ROW_TILE)
-    switch (rows) {
-    case 1: TILES(1); break;
-    case 2: TILES(2); break;
-    case 3: TILES(3); break;
-    default: TILES(4); break;
+    for (int i = 0; i < tiles; i++) tile(xf, w, bias, y, R, T, in, out, i * T)
+    switch (rows * 10 + row_tile) {
+    case 14: TILES(1, 4); break;
+    case 24: TILES(2, 4); break;
+    case 34: TILES(3, 4); break;
+    case 44: TILES(4, 4); break;
+    case 18: TILES(1, 8); break;
+    case 28: TILES(2, 8); break;
+    case 38: TILES(3, 8); break;
+    default: TILES(4, 8); break;
     }
 #undef TILES
-    for (int n = tiles * ROW_TILE; n < out; n++) single(xf, w, bias, y, rows, in, out, n);
+    for (int n = tiles * row_tile; n < out; n++) single(xf, w, bias, y, rows, in, out, n);
     free(xf);
     return 0;
 }

@@ -61,6 +61,7 @@ def test_which_paths_run_which_weights() -> None:
     assert not can_run("native", torch.zeros(4, 4, dtype=torch.float16))
     assert can_run("float32", torch.zeros(4, 4, dtype=torch.float16))  # widened
     assert can_run("small-batch", bf16, has_small_batch=True)
+    assert can_run("small-batch-4", bf16, has_small_batch=True)
     assert not can_run("small-batch", bf16) and not can_run("small-batch", torch.zeros(4, 16), True)
     assert not can_run("mkl", torch.zeros(4))
     assert candidate_paths(torch.zeros(4, 16)) == ("native", "mkl")  # float32 is native here
@@ -110,18 +111,19 @@ def test_a_layer_runs_each_bucket_on_its_own_path() -> None:
     """A table of one path per bucket: the layer's rows pick the GEMM (counted by a kernel
     standing in for small-batch) and every bucket gives the same result."""
     linear = nn.Linear(32, 16).to(torch.bfloat16)
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
 
-    def kernel(x, weight, bias):  # type: ignore[no-untyped-def]
-        calls.append(len(x))
+    def kernel(x, weight, bias, row_tile=8):  # type: ignore[no-untyped-def]
+        calls.append((len(x), row_tile))
         return reference(linear, x).to(torch.bfloat16)
 
-    paths = ("small-batch", "small-batch", "mkl", "float32", "mkl")
+    paths = ("small-batch-4", "small-batch", "mkl", "float32", "mkl")
     layer = PackedLinear(linear, paths, kernel)
     with torch.inference_mode():
         for rows in (1, 4, 5, 64, 65, 300):
             x = torch.randn(rows, 32).to(torch.bfloat16)
             torch.testing.assert_close(layer(x).float(), reference(linear, x), atol=2e-2, rtol=2e-2)
-    assert calls == [1, 4]
-    with pytest.raises(ValueError, match="at most 4 rows"):
-        PackedLinear(linear, "small-batch", kernel)
+    assert calls == [(1, 4), (4, 8)]  # each small-batch path reads its own number of rows
+    for small in ("small-batch", "small-batch-4"):
+        with pytest.raises(ValueError, match="at most 4 rows"):
+            PackedLinear(linear, small, kernel)

@@ -40,16 +40,20 @@ def assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features", [960, 1001])  # 1001: 1 feature past the 8-row tiles
+@pytest.mark.parametrize("out_features", [960, 1001])  # 1001: 1 feature past the 8- and 4-row tiles
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float32_math_on_bfloat16_values(
     kernel: cpu_ops.CpuKernels, rows: int, out_features: int, bias: bool
 ) -> None:
+    """Within one bfloat16 step of float32 math, and bit-identical whichever number of weight
+    rows is read together (each output's sum runs over the input in the same order)."""
     torch.manual_seed(rows + out_features)
     x = torch.randn(rows, 576).to(torch.bfloat16)
     weight = (torch.randn(out_features, 576) * 0.05).to(torch.bfloat16)
     b = torch.randn(out_features) if bias else None
-    assert_within_one_ulp(kernel.linear_bf16(x, weight, b), reference(x, weight, b))
+    eight = kernel.linear_bf16(x, weight, b)
+    assert_within_one_ulp(eight, reference(x, weight, b))
+    assert torch.equal(kernel.linear_bf16(x, weight, b, row_tile=4), eight)
 
 
 def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels) -> None:
@@ -60,6 +64,8 @@ def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels) -> None:
     assert kernel.linear_bf16(x[:1, :48], weight[:, :48], None) is None  # 48: fine
     assert kernel.linear_bf16(x[:1, :40], weight[:, :40].contiguous(), None) is None  # 40 % 16
     assert kernel.linear_bf16(x[:1], weight[:, :32], None) is None  # a strided weight
+    with pytest.raises(ValueError, match="row_tile must be one of"):
+        kernel.linear_bf16(x[:1], weight, None, row_tile=5)
 
 
 def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
@@ -99,9 +105,9 @@ def test_packed_bf16_linear_matches_float32_math(
     linear = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
     calls: list[int] = []
 
-    def counted(x, w, b):  # type: ignore[no-untyped-def]
+    def counted(x, w, b, row_tile=8):  # type: ignore[no-untyped-def]
         calls.append(len(x))
-        return kernel.linear_bf16(x, w, b)
+        return kernel.linear_bf16(x, w, b, row_tile)
 
     packed = PackedLinear(linear, ("small-batch", "small-batch", large, large, large), counted)
     x = torch.randn(rows, 576).to(torch.bfloat16)

@@ -52,6 +52,7 @@ from services.engine.model.packed_linear import (
     PATHS,
     ROW_BUCKETS,
     SMALL_BATCH_MAX_ROWS,
+    SMALL_BATCH_PATHS,
     Gemm,
     PathChooser,
     SmallBatchLinear,
@@ -208,7 +209,7 @@ def fewer_formats(chosen: list[str], seconds: list[dict[str, float]]) -> tuple[s
 
 def format_bytes(path: str, weight: torch.Tensor) -> int:
     """Bytes of the weight format ``path`` reads (the widening paths: float32)."""
-    itemsize = weight.element_size() if path in ("native", "small-batch") else 4
+    itemsize = weight.element_size() if path == "native" or path in SMALL_BATCH_PATHS else 4
     return weight.numel() * itemsize
 
 
@@ -243,7 +244,7 @@ def measure_shape(
         cursor = dict.fromkeys(paths, 0)
         for bucket in range(NUM_BUCKETS):
             rows = bucket_rows(bucket)
-            alive = [p for p in paths if p != "small-batch" or rows <= SMALL_BATCH_MAX_ROWS]
+            alive = [p for p in paths if p not in SMALL_BATCH_PATHS or rows <= SMALL_BATCH_MAX_ROWS]
             x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
             for p in alive:
                 gemms[p][0](x)  # warm-up: oneDNN builds its kernel for this row count once
