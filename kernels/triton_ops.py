@@ -20,6 +20,8 @@ Cache offsets are computed in int64: ``block_id * stride`` overflows int32 on a 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -225,14 +227,19 @@ MIN_PARTITION_TOKENS = 128
 PROGRAMS_PER_SM = 4
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The GPU's multiprocessors (asked once per device: this runs every layer of every step)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _decode_partitions(num_seqs: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """Partitions per (sequence, KV head): enough programs for every SM, none below
     ``MIN_PARTITION_TOKENS`` keys; one for a context under ``SPLIT_FROM_TOKENS`` and on a CPU
     (where the interpreter runs these kernels)."""
     if device.type != "cuda" or max_len < SPLIT_FROM_TOKENS:
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = -(-PROGRAMS_PER_SM * sms // (num_seqs * num_kv_heads))
+    wanted = -(-PROGRAMS_PER_SM * _num_sms(device) // (num_seqs * num_kv_heads))
     return max(1, min(wanted, max_len // MIN_PARTITION_TOKENS))
 
 
@@ -272,10 +279,11 @@ def paged_attention_decode(
         max_len = int(max_context_len)
         if partitions is None:
             partitions = _decode_partitions(num_seqs, num_kv_heads, max_len, query.device)
-    # Whole tiles per partition; rounding them up may leave fewer partitions than asked for.
-    part_tokens = max(block_n, -(-max_len // (partitions * block_n)) * block_n)
-    partitions = max(1, -(-max_len // part_tokens)) if partitions > 1 else 1
-    part_tokens = part_tokens if partitions > 1 else max_len
+    if partitions > 1:  # whole tiles each: rounding up may leave fewer partitions than asked
+        part_tokens = max(block_n, -(-max_len // (partitions * block_n)) * block_n)
+        partitions = max(1, -(-max_len // part_tokens))
+    else:
+        part_tokens = max_len
     split = partitions > 1
     rows = (num_seqs, num_heads, partitions) if split else (0, 0, 0)
     part_ml = torch.empty((*rows, 2), dtype=torch.float32, device=query.device)
