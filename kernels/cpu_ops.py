@@ -46,9 +46,15 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / f"{name}.c"
-    for name in ("paged_attention_cpu", "linear_bf16_cpu", "layer_ops_cpu", "int8_cpu")
+    for name in (
+        "paged_attention_cpu",
+        "linear_bf16_cpu",
+        "layer_ops_cpu",
+        "int8_cpu",
+        "decode_layers_cpu",
+    )
 ]
-HEADERS = [CSRC / "vec16.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "decode_parts.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # GCC prefers 256-bit vectors on many x86 CPUs and splits our 16-lane bf16 widening in two.

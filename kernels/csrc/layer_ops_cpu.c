@@ -21,6 +21,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "decode_parts.h"
 #include "vec16.h"
 
 #define PARALLEL_ELEMENTS 4096 /* below this many elements one thread is faster (Zen 4) */
@@ -142,16 +143,20 @@ int rotary_write_kv(const void *qkv, const void *cos, const void *sin, const int
     return 0;
 }
 
+ALWAYS_INLINE void silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t size,
+                                int bf16) {
+    for (int64_t i = 0; i < size; i += LANES) {
+        const vec16 gate = load(gate_up, r * 2 * size + i, bf16);
+        const vec16 up = load(gate_up, r * 2 * size + size + i, bf16);
+        const vec16 silu = round_to(gate / (1.0f + exp16(-gate)), bf16);
+        store(out, r * size + i, silu * up, bf16);
+    }
+}
+
 ALWAYS_INLINE void silu_mul_rows(const void *gate_up, void *out, int64_t rows, int64_t size,
                                  int num_threads, int bf16) {
 #pragma omp parallel for num_threads(num_threads) if (rows * size >= PARALLEL_ELEMENTS)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < size; i += LANES) {
-            const vec16 gate = load(gate_up, r * 2 * size + i, bf16);
-            const vec16 up = load(gate_up, r * 2 * size + size + i, bf16);
-            const vec16 silu = round_to(gate / (1.0f + exp16(-gate)), bf16);
-            store(out, r * size + i, silu * up, bf16);
-        }
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up, out, r, size, bf16);
 }
 
 /* out [rows, size] = silu(gate) * up, gate_up [rows, 2 size] holding gate then up in each row.
@@ -164,4 +169,25 @@ int silu_mul(const void *gate_up, void *out, int64_t rows, int64_t size, int bf1
     else
         silu_mul_rows(gate_up, out, rows, size, num_threads, 0);
     return 0;
+}
+
+/* The three above on bfloat16 rows, on the calling thread, unchecked (decode_parts.h). */
+void add_rms_norm_bf16_serial(void *x, const void *delta, const void *weight, void *out,
+                              int64_t rows, int64_t hidden, float eps) {
+    for (int64_t r = 0; r < rows; r++) add_rms_norm_row(x, delta, weight, out, r, hidden, eps, 1);
+}
+
+void rotary_write_kv_bf16_serial(const void *qkv, const void *cos, const void *sin,
+                                 const int64_t *slots, void *key_cache, void *value_cache,
+                                 int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                                 int64_t block_size, void *query, int64_t tokens,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t dim) {
+    for (int64_t t = 0; t < tokens; t++)
+        rotary_write_kv_token(qkv, cos, sin, slots, key_cache, value_cache, block_stride,
+                              token_stride, head_stride, block_size, query, t, num_heads,
+                              num_kv_heads, dim, 1);
+}
+
+void silu_mul_bf16_serial(const void *gate_up, void *out, int64_t rows, int64_t size) {
+    for (int64_t r = 0; r < rows; r++) silu_mul_row(gate_up, out, r, size, 1);
 }

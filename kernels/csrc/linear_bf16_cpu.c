@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "decode_parts.h"
 #include "vec16.h"
 
 #define MAX_ROWS 4 /* rows x 8-row tile float32 sums: at 4 rows that is every AVX-512 register */
@@ -68,6 +69,30 @@ static void single(const float *xf, const uint16_t *w, const float *bias, uint16
     }
 }
 
+/* This thread's share of y (decode_parts.h): a contiguous run of tiles, with `rows` and
+ * `row_tile` made constants; the features past the last whole tile on the last thread. */
+void linear_bf16_share(const float *xf, const uint16_t *w, const float *bias, uint16_t *y,
+                       int rows, int row_tile, int in, int out) {
+    const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+    const int tiles = out / row_tile;
+    const int first = tiles * thread / threads, end = tiles * (thread + 1) / threads;
+#define RANGE(R, T)                                                                                \
+    for (int i = first; i < end; i++) tile(xf, w, bias, y, R, T, in, out, i * T)
+    switch (rows * 10 + row_tile) {
+    case 14: RANGE(1, 4); break;
+    case 24: RANGE(2, 4); break;
+    case 34: RANGE(3, 4); break;
+    case 44: RANGE(4, 4); break;
+    case 18: RANGE(1, 8); break;
+    case 28: RANGE(2, 8); break;
+    case 38: RANGE(3, 8); break;
+    default: RANGE(4, 8); break;
+    }
+#undef RANGE
+    if (thread == threads - 1)
+        for (int n = tiles * row_tile; n < out; n++) single(xf, w, bias, y, rows, in, out, n);
+}
+
 /* Returns 0, or 1 for arguments it does not take (rows outside [1, MAX_ROWS], in not a multiple
  * of 16, row_tile not 4 or 8), 2 when out of memory. */
 int linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y, int rows,
@@ -80,24 +105,8 @@ int linear_bf16(const uint16_t *x, const uint16_t *w, const float *bias, uint16_
         const uint32_t bits = (uint32_t)x[i] << 16;
         memcpy(xf + i, &bits, sizeof bits);
     }
-    const int tiles = out / row_tile;
-    /* `rows` and the tile constants in each loop: the compiler unrolls them and keeps the sums in
-     * registers */
-#define TILES(R, T)                                                                                \
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                         \
-    for (int i = 0; i < tiles; i++) tile(xf, w, bias, y, R, T, in, out, i * T)
-    switch (rows * 10 + row_tile) {
-    case 14: TILES(1, 4); break;
-    case 24: TILES(2, 4); break;
-    case 34: TILES(3, 4); break;
-    case 44: TILES(4, 4); break;
-    case 18: TILES(1, 8); break;
-    case 28: TILES(2, 8); break;
-    case 38: TILES(3, 8); break;
-    default: TILES(4, 8); break;
-    }
-#undef TILES
-    for (int n = tiles * row_tile; n < out; n++) single(xf, w, bias, y, rows, in, out, n);
+#pragma omp parallel num_threads(num_threads)
+    linear_bf16_share(xf, w, bias, y, rows, row_tile, in, out);
     free(xf);
     return 0;
 }

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "decode_parts.h" /* Job */
 #include "vec16.h"
 
 #if defined(__AVX512BF16__)
@@ -37,20 +38,6 @@
 #define HAVE_DPBF16 0
 #endif
 
-typedef struct {
-    const void *query;         /* [num_seqs, num_heads, head_dim], contiguous */
-    const void *key_cache;     /* one layer's keys (float32 or bfloat16), strides below */
-    const void *value_cache;   /* same dtype and strides as key_cache */
-    int64_t block_stride, token_stride, head_stride; /* in elements; head_dim is contiguous */
-    const int32_t *block_tables; /* [num_seqs, max_blocks] */
-    int64_t max_blocks;
-    const int32_t *context_lens; /* [num_seqs] */
-    int32_t max_context_len;     /* context lengths are clamped to this */
-    int32_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-    float scale;
-    void *out; /* [num_seqs, num_heads, head_dim], the query's dtype */
-    int32_t io_bf16; /* query and out are bfloat16 (else float32) */
-} Job;
 
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
 
@@ -342,27 +329,47 @@ static int tables_valid(const Job *job, int64_t num_blocks) {
     return 1;
 }
 
+/* 1 where the kernel does not take `job`'s shapes, else 0. */
+static int job_invalid(const Job *job, int32_t num_threads) {
+    return job->num_kv_heads <= 0 || job->num_heads % job->num_kv_heads != 0 ||
+           job->num_heads / job->num_kv_heads > 64 || job->head_dim % LANES != 0 ||
+           job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0 || num_threads <= 0;
+}
+
+int attention_check(const Job *job, int64_t num_blocks) {
+    if (job_invalid(job, 1)) return 1;
+    return tables_valid(job, num_blocks) ? 0 : 3;
+}
+
+/* The scores of one item (a multiple of 16 floats), then its float32 query and output rows;
+ * 64-byte multiples keep the rows aligned. */
+static size_t scores_floats(const Job *job) {
+    const size_t group = (size_t)(job->num_heads / job->num_kv_heads);
+    const size_t floats = (size_t)(job->max_context_len > 0 ? job->max_context_len : 1) * group;
+    return (floats + 15) / 16 * 16;
+}
+
+size_t attention_scratch_floats(const Job *job) {
+    const size_t group = (size_t)(job->num_heads / job->num_kv_heads);
+    return (scores_floats(job) + 2 * group * (size_t)job->head_dim + 15) / 16 * 16;
+}
+
+void attention_item_bf16(const Job *job, int64_t item, float *scratch) {
+    attend_item(job, attend_one_bf16, item, scratch, scores_floats(job));
+}
+
 /* Returns 0 on success, 1 on a bad argument, 2 if a thread could not allocate its scores, 3 for
  * a block table that does not cover the context lengths or names a block outside the cache. */
 static int run(const Job *job, AttendFn attend, int64_t num_blocks, int32_t num_threads) {
-    if (job->num_kv_heads <= 0 || job->num_heads % job->num_kv_heads != 0 ||
-        job->num_heads / job->num_kv_heads > 64 || job->head_dim % LANES != 0 ||
-        job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0 || num_threads <= 0)
-        return 1;
+    if (job_invalid(job, num_threads)) return 1;
     if (!tables_valid(job, num_blocks)) return 3;
-    const int64_t kv_heads = job->num_kv_heads, items = (int64_t)job->num_seqs * kv_heads;
-    const size_t group = (size_t)(job->num_heads / kv_heads);
-    const size_t scores_floats = (size_t)(job->max_context_len > 0 ? job->max_context_len : 1) *
-                                 group;
-    /* scores, then the query and output rows; 64-byte multiples keep the rows aligned */
-    const size_t buffer_size =
-        sizeof(float) * (scores_floats + 2 * group * (size_t)job->head_dim) + 64;
+    const int64_t items = (int64_t)job->num_seqs * job->num_kv_heads;
+    const size_t floats = attention_scratch_floats(job), padded = scores_floats(job);
     int failed = 0;
     /* Dynamic scheduling: sequences of different lengths are different amounts of work. */
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
-        const size_t padded = (scores_floats + 15) / 16 * 16;
-        float *buffer = aligned_alloc(64, (buffer_size + 64 * 2) / 64 * 64);
+        float *buffer = aligned_alloc(64, sizeof(float) * floats);
         if (buffer == NULL) failed = 1;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)

@@ -22,6 +22,7 @@ import torch
 
 from kernels import Backend, cpu_ops
 from services.engine.config import EngineConfig
+from services.engine.model.fused_decode import FusedDecode
 from services.engine.model.llama import AttentionMetadata, LlamaModel
 from services.engine.model.simulated import SimulatedModel
 from services.engine.scheduler import ScheduledBatch
@@ -104,6 +105,8 @@ class ModelRunner:
             for layer in range(cfg.num_layers)
         ]
         self.prompt_hidden: list[PromptHidden] = []  # the last execute()'s, for prompt logprobs
+        if isinstance(model, LlamaModel):  # decode steps of 1-4 sequences in one call, if it can
+            model.fused_decode = FusedDecode.build(model, attention, self.layer_caches)
 
     def copy_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write: all before this step writes any KV."""

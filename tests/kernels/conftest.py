@@ -1,4 +1,4 @@
-"""The compiled CPU kernels, built once per test module (shared by the kernel tests)."""
+"""The compiled CPU kernels, built once per test session (shared by the kernel tests)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 from kernels import cpu_ops
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def kernel(tmp_path_factory: pytest.TempPathFactory) -> cpu_ops.CpuKernels:
-    """The kernel built once for this module, in a directory of its own (not ~/.cache)."""
+    """The kernel built once for the session, in a directory of its own (not ~/.cache)."""
     if cpu_ops.find_compiler() is None:
         pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernel")
     loaded = cpu_ops.load(tmp_path_factory.mktemp("kernels"))

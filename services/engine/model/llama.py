@@ -15,6 +15,7 @@ from torch import nn
 
 import kernels
 from services.engine.config import ModelConfig
+from services.engine.model.fused_decode import FusedDecode
 from services.engine.model.gemm_choice import GemmTable
 
 
@@ -198,6 +199,9 @@ class LlamaModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.gemm_table: GemmTable | None = None  # the linears' GEMM paths (the loader's)
+        # All layers of a small decode step in one compiled call: set by the KV cache's owner
+        # (the model runner), over that cache only.
+        self.fused_decode: FusedDecode | None = None
 
     def forward(
         self,
@@ -209,6 +213,10 @@ class LlamaModel(nn.Module):
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
         x = self.embed_tokens(input_ids)  # a new tensor: the residual stream, updated in place
         rotary = self.rope.tables(positions, x.dtype)
+        if self.fused_decode is not None:
+            delta = self.fused_decode.run(x, rotary, kv_caches, meta)
+            if delta is not None:
+                return self.norm(x, delta, meta.backend)
         delta = None
         # The layers and their parts are called through ``forward``: nn.Module's ``__call__``
         # (hooks, which nothing here sets) costs ~3 us a call, ~270 calls a step: 5-8% of a

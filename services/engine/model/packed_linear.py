@@ -183,6 +183,12 @@ class PackedLinear(nn.Module):
             weight = linear.weight.detach()
             bias = None if linear.bias is None else linear.bias.detach()
             gemms = {p: make_gemm(p, weight, bias, small_batch) for p in set(self.paths)}
+        # What the small-batch kernel reads (the weight in place, a float32 bias), for callers
+        # that run it themselves: the fused decode layers (services.engine.model.fused_decode).
+        self.small_batch_operands: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if small_batch is not None and set(self.paths) & SMALL_BATCH_PATHS.keys():
+            float_bias = None if bias is None else bias.float().contiguous()
+            self.small_batch_operands = (weight.contiguous(), float_bias)
         by_bucket = [gemms[p] for p in self.paths]
         # A list indexed by the row count: the lookup costs nothing at one row.
         self._by_rows = [by_bucket[bucket_of(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
@@ -207,6 +213,10 @@ class PackedLinear(nn.Module):
         if y.dtype != dtype:
             y = y.to(dtype)
         return y.view(*shape[:-1], self.out_features)
+
+    def row_tile(self, rows: int) -> int | None:
+        """The small-batch kernel's row tile where it serves ``rows`` rows, else None."""
+        return SMALL_BATCH_PATHS.get(self.paths[bucket_of(max(rows, 1))])
 
     def extra_repr(self) -> str:
         table = ", ".join(f"{bucket_label(i)}: {p}" for i, p in enumerate(self.paths))

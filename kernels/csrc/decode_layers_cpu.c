@@ -1,0 +1,162 @@
+/*
+ * Every decoder layer of a decode step of 1-4 sequences, bfloat16, in one call and one OpenMP
+ * region. At one sequence a layer is nine kernel calls from Python: their dispatch, thread
+ * wake-ups and the pauses in the weight stream between them cost ~4 ms of a 15 ms step on a Zen 4
+ * core pair, where the weight reads themselves take ~10 ms. Here the threads stay up for the whole
+ * model and wait for each other only where a result is needed by all of them (a barrier, ~1 us).
+ *
+ * Per layer: norm (thread 0) | qkv GEMV (all) | rotary and KV write (thread 0) | attention (items
+ * over threads) | o GEMV | norm (thread 0) | gate_up GEMV | SiLU-and-multiply (each thread, for its
+ * own copy of the down GEMV's input) | down GEMV. Every piece is the function the separate kernels
+ * run (decode_parts.h), so the result is bit for bit theirs: tests/kernels/test_decode_layers.py.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "decode_parts.h"
+#include "vec16.h"
+
+#define MAX_ROWS 4         /* the small-batch GEMV's (linear_bf16_cpu.c) */
+#define MAX_HEAD_DIM 256   /* layer_ops_cpu.c's rotary */
+
+/* One layer's weights (bfloat16, nn.Linear's [out, in]) and KV cache. */
+typedef struct {
+    const uint16_t *input_norm, *post_norm; /* [hidden] */
+    const uint16_t *qkv, *o, *gate_up, *down;
+    const float *qkv_bias; /* [qkv features] float32, or NULL */
+    void *key_cache, *value_cache; /* [num_blocks, block_size, kv_heads, head_dim], strides below */
+    int32_t qkv_tile, o_tile, gate_up_tile, down_tile; /* weight rows the GEMV reads together */
+} DecodeLayer;
+
+/* The model's sizes and its caches' layout: the same for every step. */
+typedef struct {
+    int32_t hidden, intermediate, num_heads, num_kv_heads, head_dim;
+    float eps, scale;
+    int64_t block_stride, token_stride, head_stride, block_size, num_blocks; /* in elements */
+} DecodeShape;
+
+/* One step: the tokens' rotary rows, KV slots and each sequence's blocks. */
+typedef struct {
+    int32_t rows;
+    const void *cos, *sin;  /* [rows, head_dim] bfloat16 */
+    const int64_t *slots;   /* [rows] */
+    const int32_t *block_tables; /* [rows, max_blocks] */
+    int64_t max_blocks;
+    const int32_t *context_lens; /* [rows] */
+    int32_t max_context_len;
+} DecodeStep;
+
+static void widen(const uint16_t *src, float *dst, int64_t count) {
+    for (int64_t i = 0; i < count; i += LANES) store(dst, i, load(src, i, 1), 0);
+}
+
+static Job attention_job(const DecodeShape *shape, const DecodeStep *step,
+                         const DecodeLayer *layer, const uint16_t *query, uint16_t *out) {
+    return (Job){query, layer->key_cache, layer->value_cache, shape->block_stride,
+                 shape->token_stride, shape->head_stride, step->block_tables, step->max_blocks,
+                 step->context_lens, step->max_context_len, step->rows, shape->num_heads,
+                 shape->num_kv_heads, shape->head_dim, (int32_t)shape->block_size, shape->scale,
+                 out, 1};
+}
+
+static int valid_tile(int32_t tile) { return tile == 4 || tile == 8; }
+
+/* 1 where the kernel does not take these sizes, 3 for a slot or block outside the cache, else 0
+ * (checked before anything is written). */
+static int check(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *shape,
+                 const DecodeStep *step, int32_t num_threads) {
+    const int64_t dim = shape->head_dim;
+    if (step->rows < 1 || step->rows > MAX_ROWS || num_layers < 1 || num_threads < 1 ||
+        shape->hidden % LANES || shape->intermediate % LANES || dim % (2 * LANES) ||
+        dim > MAX_HEAD_DIM || (shape->num_heads * dim) % LANES || shape->block_size <= 0)
+        return 1;
+    for (int32_t l = 0; l < num_layers; l++) {
+        const DecodeLayer *layer = &layers[l];
+        if (!valid_tile(layer->qkv_tile) || !valid_tile(layer->o_tile) ||
+            !valid_tile(layer->gate_up_tile) || !valid_tile(layer->down_tile))
+            return 1;
+    }
+    for (int32_t t = 0; t < step->rows; t++)
+        if (step->slots[t] < 0 || step->slots[t] >= shape->num_blocks * shape->block_size)
+            return 3;
+    const Job job = attention_job(shape, step, &layers[0], NULL, NULL);
+    return attention_check(&job, shape->num_blocks);
+}
+
+/* x [rows, hidden] bfloat16: the residual stream, updated in place. delta [rows, hidden]: on
+ * entry the previous layer's MLP output not yet added to x (has_delta), on return the last layer's.
+ * Returns 0, 1 for sizes it does not take, 2 when out of memory, 3 for a bad slot or block. */
+int decode_layers_bf16(const DecodeLayer *layers, int32_t num_layers, const DecodeShape *shape,
+                       const DecodeStep *step, uint16_t *x, uint16_t *delta, int32_t has_delta,
+                       int32_t num_threads) {
+    const int status = check(layers, num_layers, shape, step, num_threads);
+    if (status) return status;
+    const int rows = step->rows, hidden = shape->hidden, inter = shape->intermediate;
+    const int q_size = shape->num_heads * shape->head_dim;
+    const int qkv_size = q_size + 2 * shape->num_kv_heads * shape->head_dim;
+    const int widest = inter > q_size ? (inter > hidden ? inter : hidden)
+                                      : (q_size > hidden ? q_size : hidden);
+    /* Shared: the norms' output and each GEMV's (bfloat16); per thread: its widened GEMV input,
+     * its SiLU rows and its attention scratch, each a multiple of 64 bytes. */
+    const Job sizing = attention_job(shape, step, &layers[0], NULL, NULL);
+    const size_t shared = (size_t)rows * (2 * hidden + qkv_size + 2 * q_size + 2 * inter);
+    const size_t shared_bytes = (shared * 2 + 63) / 64 * 64;
+    const size_t xf_floats = ((size_t)rows * widest + 15) / 16 * 16;
+    const size_t act_floats = ((size_t)rows * inter + 31) / 32 * 16;
+    const size_t private_floats = xf_floats + act_floats + attention_scratch_floats(&sizing);
+    uint16_t *h = aligned_alloc(64, shared_bytes + private_floats * 4 * (size_t)num_threads);
+    if (h == NULL) return 2;
+    uint16_t *qkv = h + (size_t)rows * hidden, *query = qkv + (size_t)rows * qkv_size;
+    uint16_t *attended = query + (size_t)rows * q_size, *o = attended + (size_t)rows * q_size;
+    uint16_t *gate_up = o + (size_t)rows * hidden;
+    float *privates = (float *)((char *)h + shared_bytes);
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int thread = omp_get_thread_num(), threads = omp_get_num_threads();
+        float *xf = privates + (size_t)thread * private_floats;
+        uint16_t *act = (uint16_t *)(xf + xf_floats);
+        float *attention_scratch = xf + xf_floats + act_floats;
+        for (int32_t l = 0; l < num_layers; l++) {
+            const DecodeLayer *layer = &layers[l];
+            if (thread == 0)
+                add_rms_norm_bf16_serial(x, l == 0 && !has_delta ? NULL : delta,
+                                         layer->input_norm, h, rows, hidden, shape->eps);
+#pragma omp barrier
+            widen(h, xf, (int64_t)rows * hidden);
+            linear_bf16_share(xf, layer->qkv, layer->qkv_bias, qkv, rows, layer->qkv_tile,
+                              hidden, qkv_size);
+#pragma omp barrier
+            if (thread == 0)
+                rotary_write_kv_bf16_serial(qkv, step->cos, step->sin, step->slots,
+                                            layer->key_cache, layer->value_cache,
+                                            shape->block_stride, shape->token_stride,
+                                            shape->head_stride, shape->block_size, query, rows,
+                                            shape->num_heads, shape->num_kv_heads,
+                                            shape->head_dim);
+#pragma omp barrier
+            const Job job = attention_job(shape, step, layer, query, attended);
+            for (int64_t item = thread; item < (int64_t)rows * shape->num_kv_heads;
+                 item += threads)
+                attention_item_bf16(&job, item, attention_scratch);
+#pragma omp barrier
+            widen(attended, xf, (int64_t)rows * q_size);
+            linear_bf16_share(xf, layer->o, NULL, o, rows, layer->o_tile, q_size, hidden);
+#pragma omp barrier
+            if (thread == 0)
+                add_rms_norm_bf16_serial(x, o, layer->post_norm, h, rows, hidden, shape->eps);
+#pragma omp barrier
+            widen(h, xf, (int64_t)rows * hidden);
+            linear_bf16_share(xf, layer->gate_up, NULL, gate_up, rows, layer->gate_up_tile,
+                              hidden, 2 * inter);
+#pragma omp barrier
+            silu_mul_bf16_serial(gate_up, act, rows, inter);
+            widen(act, xf, (int64_t)rows * inter);
+            linear_bf16_share(xf, layer->down, NULL, delta, rows, layer->down_tile, inter, hidden);
+#pragma omp barrier
+        }
+    }
+    free(h);
+    return 0;
+}

@@ -1,0 +1,130 @@
+"""The decoder layers of a small decode step as one compiled call, where the model allows it.
+
+At a decode batch of 1-4 sequences the layers' linears run the small-batch kernel (a GEMV bound
+by the weight read), and what else a layer does costs more in dispatch than in arithmetic:
+``kernels.decode_layers`` runs every layer in one call instead of nine per layer. Its result is
+the separate kernels' bit for bit, so this is a speed choice with nothing else to it.
+
+``FusedDecode.build`` prepares it once, for the KV cache its owner (the model runner) hands it,
+and for each row count 1-4 at which every linear of every layer runs a small-batch path
+(``PackedLinear.row_tile``): bfloat16 weights on CPU with the compiled kernels loaded. Any
+other step (prefill tokens, more rows, another cache) goes through the layers one by one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from kernels.cpu_ops import LINEAR_MAX_ROWS, CpuKernels
+from kernels.decode_layers import DecodeLayers, LayerWeights, ModelShape
+from services.engine.model.packed_linear import PackedLinear
+
+if TYPE_CHECKING:
+    from services.engine.model.llama import AttentionMetadata, DecoderLayer, LlamaModel
+
+KvCaches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _layer_weights(
+    layer: DecoderLayer, rows: int, kv_cache: tuple[torch.Tensor, torch.Tensor]
+) -> LayerWeights | None:
+    """What the compiled call reads of ``layer`` at ``rows`` rows, or None where a linear of it
+    does not run the small-batch kernel there."""
+    attn, mlp = layer.self_attn, layer.mlp
+    operands, tiles = [], []
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        if not isinstance(linear, PackedLinear) or linear.small_batch_operands is None:
+            return None
+        tile = linear.row_tile(rows)
+        if tile is None:
+            return None
+        operands.append(linear.small_batch_operands)
+        tiles.append(tile)
+    (qkv, qkv_bias), (o, _), (gate_up, _), (down, _) = operands
+    return LayerWeights(
+        input_norm=layer.input_layernorm.weight.detach(),
+        post_norm=layer.post_attention_layernorm.weight.detach(),
+        qkv=qkv,
+        qkv_bias=qkv_bias,
+        o=o,
+        gate_up=gate_up,
+        down=down,
+        row_tiles=(tiles[0], tiles[1], tiles[2], tiles[3]),
+        key_cache=kv_cache[0],
+        value_cache=kv_cache[1],
+    )
+
+
+class FusedDecode:
+    """The prepared call per row count (1-4) for ``kv_caches``; see ``run``."""
+
+    def __init__(
+        self, kernels: CpuKernels, kv_caches: KvCaches, by_rows: dict[int, DecodeLayers]
+    ) -> None:
+        self.kernels, self.kv_caches, self.by_rows = kernels, kv_caches, by_rows
+
+    @classmethod
+    def build(cls, model: LlamaModel, backend: object, kv_caches: KvCaches) -> FusedDecode | None:
+        """The fused call for ``model`` over ``kv_caches`` with ``backend`` (the runner's
+        attention kernels), or None where no row count can take it."""
+        if not isinstance(backend, CpuKernels) or not model.layers:
+            return None
+        cfg = model.config
+        shape = ModelShape(
+            hidden=cfg.hidden_size,
+            intermediate=cfg.intermediate_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            eps=cfg.rms_norm_eps,
+            scale=cfg.head_dim**-0.5,  # Attention.scale
+        )
+        prepared: dict[tuple[int, ...], DecodeLayers] = {}  # by row tiles: shared where equal
+        by_rows: dict[int, DecodeLayers] = {}
+        for rows in range(1, LINEAR_MAX_ROWS + 1):
+            weights = [
+                _layer_weights(cast("DecoderLayer", layer), rows, kv)
+                for layer, kv in zip(model.layers, kv_caches)
+            ]
+            if any(w is None for w in weights):
+                continue
+            tiles = tuple(t for w in weights for t in w.row_tiles)  # type: ignore[union-attr]
+            if tiles not in prepared:
+                try:
+                    prepared[tiles] = DecodeLayers(backend, shape, weights)  # type: ignore[arg-type]
+                except ValueError:
+                    continue  # a dtype or cache layout it does not take
+            by_rows[rows] = prepared[tiles]
+        return cls(backend, kv_caches, by_rows) if by_rows else None
+
+    def run(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: KvCaches,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """Every layer over ``x`` (the residual stream after the embedding, updated in place);
+        returns the last layer's MLP output, not yet added to ``x``. None (nothing done) unless
+        this is a decode-only step of a prepared row count over this call's caches."""
+        rows = x.shape[0]
+        layers = self.by_rows.get(rows)
+        if (
+            layers is None
+            or kv_caches is not self.kv_caches
+            or meta.num_decode_tokens != rows
+            or meta.backend is not self.kernels
+        ):
+            return None
+        cos, sin = rotary
+        return layers.run(
+            x,
+            None,
+            (cos.reshape(rows, -1), sin.reshape(rows, -1)),
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_context_lens,
+            meta.decode_max_context_len,
+        )
