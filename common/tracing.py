@@ -27,7 +27,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -196,8 +196,10 @@ def trace_id_of(span: Span) -> str:
 
 
 @contextmanager
-def ending(span: Span) -> Iterator[Span]:
-    """End ``span`` when the block exits; an exception escaping it marks the span an error.
+def ending(span: Span, answered: Callable[[], bool] = lambda: False) -> Iterator[Span]:
+    """End ``span`` when the block exits; an exception escaping it marks the span an error,
+    except a cancellation once ``answered()``: a stream whose last message is out may be
+    cancelled by a client that needs nothing more, before the server has returned.
 
     Unlike ``start_as_current_span`` this does not make the span current, so the block may
     contain the ``yield``s of an async generator (which may resume in another context); pass
@@ -205,7 +207,8 @@ def ending(span: Span) -> Iterator[Span]:
     try:
         yield span
     except BaseException as exc:  # GeneratorExit and CancelledError too: closed early
-        if span.is_recording():
+        cancelled = isinstance(exc, GeneratorExit | asyncio.CancelledError)
+        if span.is_recording() and not (cancelled and answered()):
             if isinstance(exc, Exception):
                 span.record_exception(exc)
             set_error(span, _describe(exc))

@@ -8,6 +8,7 @@ off (no SDK installed, nothing written, no header) unless asked for.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -179,7 +180,7 @@ def test_one_trace_across_router_prefill_transfer_and_decode(traced):  # type: i
             # after the router's client span got the last reply (CI saw 2.2 ms), so not across.
             if span["service"] == parent["service"]:
                 assert span["end_unix_ns"] <= parent["end_unix_ns"] + slack, span["name"]
-    assert all(s["status"] != "ERROR" for s in spans)
+    assert [(s["name"], s.get("status_description")) for s in spans if s["status"] == "ERROR"] == []
     # Prompts stay out of the logs without --log-requests.
     assert PROMPT not in router.process.output_tail(200)
 
@@ -333,3 +334,24 @@ def test_concurrent_writers_append_whole_lines(tmp_path):  # type: ignore[no-unt
         assert len(record["trace_id"]) == 32 and len(record["span_id"]) == 16
         assert record["end_unix_ns"] >= record["start_unix_ns"] > 0
     assert {r["name"][0] for r in records} == set(writers)
+
+
+@pytest.mark.parametrize(
+    ("answered", "error", "status"),
+    [
+        (False, GeneratorExit(), "ERROR"),  # closed before its answer: the client gave up
+        (True, GeneratorExit(), "UNSET"),  # the answer was out: the client needs nothing more
+        (True, asyncio.CancelledError(), "UNSET"),
+        (True, RuntimeError("boom"), "ERROR"),  # a failure is one whenever it comes
+    ],
+)
+def test_a_stream_cancelled_after_its_answer_is_not_an_error(
+    answered: bool, error: BaseException, status: str
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+
+    span = TracerProvider().get_tracer("test").start_span("stream")
+    with pytest.raises(type(error)), tracing.ending(span, lambda: answered):
+        raise error
+    assert span.status.status_code.name == status  # type: ignore[attr-defined]
+    assert not span.is_recording()  # ended either way

@@ -91,12 +91,14 @@ class PrefillService(pb_grpc.PrefillServiceServicer):
         self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PrefillEvent]:
         span = _span(request, context)
-        with tracing.ending(span):
+        answered = False  # the router cancels the call once it has the answer: not an error
+        with tracing.ending(span, lambda: answered):
             params = await self._admit(request, context)
             self.num_active += 1
             try:
                 with _logged(request):
                     async for event in self._prefill_streamed(request, params, context, span):
+                        answered = event.HasField("done")
                         yield event
             finally:
                 self.num_active -= 1
