@@ -210,6 +210,9 @@ class DecodeLayers:
             or (delta is not None and (delta.shape != x.shape or not delta.is_contiguous()))
             or (delta is not None and delta.dtype != torch.bfloat16)
             or cos.dtype != torch.bfloat16
+            or sin.dtype != torch.bfloat16
+            or cos.shape != sin.shape
+            or cos.numel() != rows * self._shape.head_dim
             or not (cos.is_contiguous() and sin.is_contiguous())
             or slot_mapping.dtype != torch.int64
             or block_tables.dtype != torch.int32
@@ -219,16 +222,18 @@ class DecodeLayers:
             or slot_mapping.shape != (rows,)
         ):
             return None
-        tables = block_tables.contiguous()
+        # Held in locals until the call returns: the struct keeps only their addresses.
+        tables, slots = block_tables.contiguous(), slot_mapping.contiguous()
+        lens = context_lens.contiguous()
         out = torch.empty_like(x) if delta is None else delta
         step = _Step(
             rows,
             cos.data_ptr(),
             sin.data_ptr(),
-            slot_mapping.contiguous().data_ptr(),
+            slots.data_ptr(),
             tables.data_ptr(),
             tables.shape[1],
-            context_lens.contiguous().data_ptr(),
+            lens.data_ptr(),
             max_context_len,
         )
         status = self._fn(

@@ -38,7 +38,6 @@
 #define HAVE_DPBF16 0
 #endif
 
-
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
 
 static inline const void *at(const void *base, int64_t index, int bf16) {
@@ -330,14 +329,14 @@ static int tables_valid(const Job *job, int64_t num_blocks) {
 }
 
 /* 1 where the kernel does not take `job`'s shapes, else 0. */
-static int job_invalid(const Job *job, int32_t num_threads) {
+static int job_invalid(const Job *job) {
     return job->num_kv_heads <= 0 || job->num_heads % job->num_kv_heads != 0 ||
            job->num_heads / job->num_kv_heads > 64 || job->head_dim % LANES != 0 ||
-           job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0 || num_threads <= 0;
+           job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0;
 }
 
 int attention_check(const Job *job, int64_t num_blocks) {
-    if (job_invalid(job, 1)) return 1;
+    if (job_invalid(job)) return 1;
     return tables_valid(job, num_blocks) ? 0 : 3;
 }
 
@@ -361,7 +360,7 @@ void attention_item_bf16(const Job *job, int64_t item, float *scratch) {
 /* Returns 0 on success, 1 on a bad argument, 2 if a thread could not allocate its scores, 3 for
  * a block table that does not cover the context lengths or names a block outside the cache. */
 static int run(const Job *job, AttendFn attend, int64_t num_blocks, int32_t num_threads) {
-    if (job_invalid(job, num_threads)) return 1;
+    if (job_invalid(job) || num_threads <= 0) return 1;
     if (!tables_valid(job, num_blocks)) return 3;
     const int64_t items = (int64_t)job->num_seqs * job->num_kv_heads;
     const size_t floats = attention_scratch_floats(job), padded = scores_floats(job);
