@@ -19,6 +19,7 @@ Run:
 
     python benchmarks/step_breakdown.py                   # batch 1 and 64, 30 steps, context 128
     python benchmarks/step_breakdown.py --steps 5 --batch-sizes 1,8
+    python benchmarks/step_breakdown.py --dtype bfloat16 --batch-sizes 1,4 --fused-ab
 
 Prints the command line, the machine and a table; writes step_breakdown.json to --out-dir
 (default benchmarks/results/).
@@ -121,6 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="the engine's dtype"
     )
     parser.add_argument(
+        "--fused-ab",
+        action="store_true",
+        help="alternate steps with and without the fused decode layers (bfloat16, B <= 4): the "
+        "table is the fused steps', and each batch size's ratio is printed",
+    )
+    parser.add_argument(
         "--model", default=None, help="GGUF file or HF directory (None: SmolLM2-135M-Instruct GGUF)"
     )
     parser.add_argument(
@@ -159,7 +166,8 @@ def max_output_tokens(args: argparse.Namespace, batch: int) -> int:
     """Enough that no request finishes: while a large batch is still being prefilled (chunked
     over several steps), the requests prefilled first already decode."""
     prefill_steps = -(-batch * args.context // MAX_BATCHED_TOKENS) + 1
-    return prefill_steps + args.warmup + args.steps + 2
+    timed = args.steps * (2 if args.fused_ab else 1)  # --fused-ab: each step twice
+    return prefill_steps + args.warmup + timed + 2
 
 
 def load_engine(args: argparse.Namespace) -> Any:
@@ -252,6 +260,32 @@ def measure(
     return steps
 
 
+def measure_fused_ab(
+    engine: Any, timers: StepTimers, args: argparse.Namespace, batch: int, bar: tqdm
+) -> tuple[list[dict[str, float]], list[float]]:
+    """Steps with the fused decode layers (services/engine/model/fused_decode.py) and the step
+    times without them, alternating step by step on the same sequences: the two see the same
+    machine at the same minutes."""
+    model = engine.runner.model
+    fused = model.fused_decode
+    if fused is None or batch not in fused.by_rows:
+        raise RuntimeError(f"no fused decode call at B={batch} (bfloat16, compiled kernels, 1-4)")
+    ids = start_decoding(engine, args, batch)
+    with_fused, without = [], []
+    try:
+        for _ in range(args.steps):
+            with_fused.append(timed_step(engine, timers, batch))
+            model.fused_decode = None
+            without.append(timed_step(engine, timers, batch)["step"])
+            model.fused_decode = fused
+            bar.update(1)
+    finally:
+        model.fused_decode = fused
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return with_fused, without
+
+
 def summarize(steps: list[dict[str, float]]) -> dict[str, dict[str, Any]]:
     total = sum(s["step"] for s in steps)
     summary = {}
@@ -293,12 +327,24 @@ def main(argv: list[str] | None = None) -> int:
     timers = install_timers(engine)
 
     results: dict[int, dict[str, dict[str, Any]]] = {}
+    unfused_ms: dict[int, list[float]] = {}
     total = len(args.batch_sizes) * args.steps
     with tqdm(total=total, desc="decode steps", unit="step", file=sys.stderr) as bar:
         for batch in args.batch_sizes:
             bar.set_postfix_str(f"B={batch}")
-            results[batch] = summarize(measure(engine, timers, args, batch, bar))
+            if args.fused_ab:
+                steps, without = measure_fused_ab(engine, timers, args, batch, bar)
+                unfused_ms[batch] = [t * 1e3 for t in without]
+            else:
+                steps = measure(engine, timers, args, batch, bar)
+            results[batch] = summarize(steps)
     print_table(results)
+    for batch, times in unfused_ms.items():
+        on, off = results[batch]["step"]["median_ms"], statistics.median(times)
+        print(
+            f"B={batch}, fused decode layers on / off (alternating steps): {on:.3f} / "
+            f"{off:.3f} ms a step, {off / on:.2f}x"
+        )
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     path = args.out_dir / "step_breakdown.json"
@@ -308,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "config": config,
         "results": {str(b): r for b, r in results.items()},
+        "unfused_step_ms": {str(b): t for b, t in unfused_ms.items()},
     }
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"saved {path}")
