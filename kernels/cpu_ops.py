@@ -17,9 +17,10 @@ per layer. Prefill is the reference here; the KV write is part of ``rotary_write
 glue is compiled because at a decode batch of one its twenty-odd PyTorch operators per layer cost
 more in dispatch than in arithmetic (``kernels/csrc/layer_ops_cpu.c``). ``CpuKernels.linear_bf16``
 serves the model's linear layers (``services.engine.model.packed_linear``) at decode batches of a
-few rows on CPUs without bfloat16 dot products. Under ``--quantization int8``
-(``services.engine.model.int8_linear``) ``quantize_rows_int8`` and ``dequantize_int32`` are the
-passes around oneDNN's int8 GEMM, and ``int8_small_batch`` the whole layer at 1-4 rows (VNNI).
+few rows, from weights copied once into the order it reads (``TiledWeight``). Under
+``--quantization int8`` (``services.engine.model.int8_linear``) ``quantize_rows_int8`` and
+``dequantize_int32`` are the passes around oneDNN's int8 GEMM, and ``int8_small_batch`` the whole
+layer at 1-4 rows (VNNI).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,37 @@ INT8_MAX_ROWS = 4  # rows of x linear_int8 takes (INT8_MAX_ROWS in int8_cpu.c)
 NO_VNNI = 3  # linear_int8's status where it was compiled without AVX512-VNNI
 INT32_MAX = 2**31 - 1
 BAD_INDEX = 3  # the kernels' status for a block id or slot outside the cache (nothing written)
+
+
+@dataclass(frozen=True)
+class TiledWeight:
+    """A bfloat16 ``[out, in]`` weight in the order ``linear_bf16`` reads (see
+    ``kernels/csrc/linear_bf16_cpu.c``): each group of ``row_tile`` rows stored as
+    ``[in / 16][row_tile][16]``, the last ``out % row_tile`` rows as they are, so that a thread
+    reads its rows as one sequential stream. ``data`` has the weight's shape, not its order."""
+
+    data: torch.Tensor  # [out, in] bfloat16, contiguous, tiled
+    row_tile: int
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, row_tile: int) -> TiledWeight:
+        """``weight`` (``[out, in]``, ``in`` a multiple of 16) copied into the tiled order."""
+        if row_tile not in LINEAR_ROW_TILES:
+            raise ValueError(f"row_tile must be one of {LINEAR_ROW_TILES}, got {row_tile}")
+        out, inp = weight.shape
+        if inp % LANES:
+            raise ValueError(f"in_features must be a multiple of {LANES}, got {inp}")
+        whole = out // row_tile * row_tile
+        tiles = weight[:whole].reshape(-1, row_tile, inp // LANES, LANES).transpose(1, 2)
+        data = torch.cat([tiles.reshape(-1), weight[whole:].reshape(-1)]).view(out, inp)
+        return cls(data.to(torch.bfloat16).contiguous(), row_tile)
+
+    def untiled(self) -> torch.Tensor:
+        """The weight in its own ``[out, in]`` order (a copy)."""
+        out, inp = self.data.shape
+        whole = out // self.row_tile * self.row_tile
+        tiles = self.data[:whole].reshape(-1, inp // LANES, self.row_tile, LANES).transpose(1, 2)
+        return torch.cat([tiles.reshape(whole, inp), self.data[whole:]])
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -273,30 +306,25 @@ class CpuKernels:
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def linear_bf16(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        row_tile: int = 8,
+        self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """``x @ weight.T + bias`` in bfloat16 with float32 sums, the weight read in place; None
+        """``x @ W.T + bias`` in bfloat16 with float32 sums, W read in its tiled order; None
         where the kernel does not take the inputs (more than ``LINEAR_MAX_ROWS`` rows of x, an
-        input size not a multiple of 16, not bfloat16 CPU tensors, a non-contiguous weight).
-        ``bias``: float32 or None. ``row_tile``: weight rows read together, one of
-        ``LINEAR_ROW_TILES`` (the same result; which is faster depends on the CPU)."""
-        if row_tile not in LINEAR_ROW_TILES:
-            raise ValueError(f"row_tile must be one of {LINEAR_ROW_TILES}, got {row_tile}")
+        input size not a multiple of 16, not bfloat16 CPU tensors). ``bias``: float32 or
+        None. The result does not depend on ``weight.row_tile``."""
         rows, in_features = x.shape
-        out_features = weight.shape[0]
+        data = weight.data
+        out_features = data.shape[0]
         if (
             not 1 <= rows <= LINEAR_MAX_ROWS
             or in_features % LANES
-            or weight.shape != (out_features, in_features)
+            or data.shape != (out_features, in_features)
             or out_features < 1
             or x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16
-            or not (x.is_cpu and weight.is_cpu)
-            or not weight.is_contiguous()
+            or data.dtype != torch.bfloat16
+            or not (x.is_cpu and data.is_cpu)
+            or not data.is_contiguous()
+            or weight.row_tile not in LINEAR_ROW_TILES
             or (
                 bias is not None
                 and (
@@ -312,14 +340,14 @@ class CpuKernels:
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
         status = self._linear(
             x.data_ptr(),
-            weight.data_ptr(),
+            data.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
             rows,
             in_features,
             out_features,
             torch.get_num_threads(),
-            row_tile,
+            weight.row_tile,
         )
         if status != 0:
             raise RuntimeError(f"CPU bfloat16 linear kernel failed (status {status})")

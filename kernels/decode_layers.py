@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_ops import BAD_INDEX, LINEAR_MAX_ROWS, LINEAR_ROW_TILES, CpuKernels
+from kernels.cpu_ops import BAD_INDEX, LINEAR_MAX_ROWS, LINEAR_ROW_TILES, CpuKernels, TiledWeight
 
 _ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
@@ -77,17 +77,16 @@ class _Step(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as the compiled call reads it. ``row_tiles``: the weight rows the GEMV
-    of qkv, o, gate_up and down reads together (``LINEAR_ROW_TILES``: the same result)."""
+    """One decoder layer as the compiled call reads it: the linears' weights in the order the
+    small-batch GEMV reads (``TiledWeight``, each with its own row tile: the same result)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 kv_heads) * head_dim, hidden]
+    qkv: TiledWeight  # [(heads + 2 kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # float32, or None
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    gate_up: torch.Tensor  # [2 intermediate, hidden]: gate rows, then up rows
-    down: torch.Tensor  # [hidden, intermediate]
-    row_tiles: tuple[int, int, int, int]
+    o: TiledWeight  # [hidden, heads * head_dim]
+    gate_up: TiledWeight  # [2 intermediate, hidden]: gate rows, then up rows
+    down: TiledWeight  # [hidden, intermediate]
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim], any strides
     value_cache: torch.Tensor  # same shape and strides
 
@@ -148,7 +147,10 @@ class DecodeLayers:
         cache_shape = layers[0].key_cache.shape
         for index, layer in enumerate(layers):
             for name, size in sizes.items():
-                tensor = getattr(layer, name)
+                field = getattr(layer, name)
+                tensor = field.data if isinstance(field, TiledWeight) else field
+                if isinstance(field, TiledWeight) and field.row_tile not in LINEAR_ROW_TILES:
+                    raise ValueError(f"layer {index}: {name} has row tile {field.row_tile}")
                 if (
                     tensor.shape != size
                     or tensor.dtype != torch.bfloat16
@@ -161,8 +163,6 @@ class DecodeLayers:
                 bias.shape != (qkv_size,) or bias.dtype != torch.float32 or not bias.is_contiguous()
             ):
                 raise ValueError(f"layer {index}: qkv_bias is not float32 [{qkv_size}]")
-            if any(t not in LINEAR_ROW_TILES for t in layer.row_tiles):
-                raise ValueError(f"layer {index}: row tiles {layer.row_tiles}")
             for cache in (layer.key_cache, layer.value_cache):
                 if (
                     cache.dtype != torch.bfloat16
@@ -176,14 +176,15 @@ class DecodeLayers:
     @staticmethod
     def _layer(w: LayerWeights) -> _Layer:
         bias = None if w.qkv_bias is None else w.qkv_bias.data_ptr()
-        pointers = [t.data_ptr() for t in (w.input_norm, w.post_norm, w.qkv, w.o, w.gate_up)]
+        linears = (w.qkv, w.o, w.gate_up, w.down)
         return _Layer(
-            *pointers,
-            w.down.data_ptr(),
+            w.input_norm.data_ptr(),
+            w.post_norm.data_ptr(),
+            *(linear.data.data_ptr() for linear in linears),
             bias,
             w.key_cache.data_ptr(),
             w.value_cache.data_ptr(),
-            *w.row_tiles,
+            *(linear.row_tile for linear in linears),
         )
 
     def run(

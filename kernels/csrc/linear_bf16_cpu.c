@@ -7,13 +7,21 @@
  * multiplied in float32, with float32 sums; the output is rounded to bfloat16 (to nearest even),
  * as oneDNN's bfloat16 kernels round theirs.
  *
- * Layout: x [rows, in] bfloat16 contiguous, W [out, in] bfloat16 contiguous (nn.Linear's own),
- * b [out] float32 or NULL, y [rows, out] bfloat16. Output features are spread over torch's OpenMP
- * threads (see paged_attention_cpu.c on why the same runtime); each thread takes `row_tile` (4 or
- * 8) weight rows at a time so that every loaded x vector feeds that many, for at most MAX_ROWS
- * rows of x. Which tile reads faster depends on the CPU (how many interleaved row streams its
- * prefetchers follow): on a Zen 4 VM 4 rows read 26 GB/s where 8 read 20, so the engine times
- * both at start (services/engine/model/gemm_choice.py: paths small-batch and small-batch-4).
+ * Layout: x [rows, in] bfloat16 contiguous, b [out] float32 or NULL, y [rows, out] bfloat16.
+ * W is [out, in] bfloat16 in the row-tiled order of kernels.cpu_ops.TiledWeight: each group of
+ * `row_tile` (4 or 8) output rows is stored as [in / 16][row_tile][16] (16 inputs of each of its
+ * rows in turn), the last out % row_tile rows as they are. A thread reading its tiles then reads
+ * one sequential stream, which the hardware prefetcher follows at the rate of a plain sum; read
+ * in nn.Linear's own layout, a tile was `row_tile` interleaved streams, and the prefetcher lost
+ * them (on a Zen 4 VM: 27-29 against 32-33 GB/s for a model's 121 GEMVs at one row of x). At 3-4
+ * rows of x a step does more arithmetic per byte and the prefetcher falls behind: there the tile
+ * prefetches PREFETCH_BYTES ahead (28 -> 31 GB/s at 4 rows; at 1-2 rows it only slowed the read).
+ *
+ * Output features are spread over torch's OpenMP threads (see paged_attention_cpu.c on why the
+ * same runtime); each thread takes a contiguous run of tiles so that every loaded x vector feeds
+ * `row_tile` weight rows, for at most MAX_ROWS rows of x. Which tile is faster depends on the CPU,
+ * so the engine times both at start (services/engine/model/gemm_choice.py: paths small-batch and
+ * small-batch-4); the results are the same bit for bit (each output's sum runs in one order).
  */
 #include <omp.h>
 #include <stdint.h>
@@ -24,28 +32,23 @@
 
 #define MAX_ROWS 4 /* rows x 8-row tile float32 sums: at 4 rows that is every AVX-512 register */
 #define MAX_ROW_TILE 8 /* weight rows per inner step: 4 or 8 (the caller's row_tile) */
-#define PREFETCH 128 /* elements ahead (4 cache lines) in each weight row: +30% read rate here */
-/* Each tile also prefetches the next tile, a step ahead of its own reads: the hardware prefetcher
- * does not follow eight interleaved row streams across tiles (+25% from memory, 18 -> 23 GB/s). */
+#define PREFETCH_BYTES 2048 /* ahead in the tiled stream, at 3-4 rows of x (see above) */
 
-/* `row_tile` output features [n, n + row_tile) for every row; `xf` is x widened, [rows, in].
- * Always inlined with constant `rows` and `row_tile`: the sums stay in registers. */
+/* `row_tile` output features [n, n + row_tile) for every row, from the tile at `w + n * in`;
+ * `xf` is x widened, [rows, in]. Always inlined with constant `rows` and `row_tile`: the sums
+ * stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *xf, const uint16_t *w,
                                                        const float *bias, uint16_t *y, int rows,
                                                        int row_tile, int in, int out, int n) {
     vec16 acc[MAX_ROWS][MAX_ROW_TILE];
     memset(acc, 0, sizeof acc);
-    const uint16_t *wr[MAX_ROW_TILE];
-    for (int t = 0; t < row_tile; t++) wr[t] = w + (int64_t)(n + t) * in;
-    for (int k = 0; k < in; k += LANES) {
+    const uint16_t *block = w + (int64_t)n * in; /* [in / LANES][row_tile][LANES] */
+    for (int k = 0; k < in; k += LANES, block += row_tile * LANES) {
+        if (rows >= 3) /* past the weight's end: a no-op hint */
+            for (int line = 0; line < row_tile * LANES * 2; line += 64)
+                __builtin_prefetch((const char *)block + PREFETCH_BYTES + line);
         vec16 wv[MAX_ROW_TILE];
-        /* The next tile's rows (contiguous after this tile's) at the rate this one is read. */
-        const char *next = (const char *)(w + (int64_t)(n + row_tile) * in + (int64_t)k * row_tile);
-        for (int line = 0; line < row_tile * LANES * 2; line += 64) __builtin_prefetch(next + line);
-        for (int t = 0; t < row_tile; t++) {
-            __builtin_prefetch(wr[t] + k + PREFETCH); /* past the row's end: a no-op hint */
-            wv[t] = load(wr[t], k, 1);
-        }
+        for (int t = 0; t < row_tile; t++) wv[t] = load(block, t * LANES, 1);
         for (int m = 0; m < rows; m++) {
             const vec16 xv = *(const vec16 *)(xf + (int64_t)m * in + k);
             for (int t = 0; t < row_tile; t++) acc[m][t] += xv * wv[t];
@@ -58,7 +61,7 @@ static inline __attribute__((always_inline)) void tile(const float *xf, const ui
         }
 }
 
-/* One output feature at a time: the last out % row_tile. */
+/* One output feature at a time: the last out % row_tile, stored as plain rows. */
 static void single(const float *xf, const uint16_t *w, const float *bias, uint16_t *y, int rows,
                    int in, int out, int n) {
     for (int m = 0; m < rows; m++) {

@@ -113,8 +113,8 @@ def test_a_layer_runs_each_bucket_on_its_own_path() -> None:
     linear = nn.Linear(32, 16).to(torch.bfloat16)
     calls: list[tuple[int, int]] = []
 
-    def kernel(x, weight, bias, row_tile=8):  # type: ignore[no-untyped-def]
-        calls.append((len(x), row_tile))
+    def kernel(x, weight, bias):  # type: ignore[no-untyped-def]
+        calls.append((len(x), weight.row_tile))
         return reference(linear, x).to(torch.bfloat16)
 
     paths = ("small-batch-4", "small-batch", "mkl", "float32", "mkl")

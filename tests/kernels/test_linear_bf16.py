@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_ops
+from kernels.cpu_ops import TiledWeight
 from services.engine.model.packed_linear import (
     PackedLinear,
     onednn_supports,
@@ -51,21 +52,43 @@ def test_matches_float32_math_on_bfloat16_values(
     x = torch.randn(rows, 576).to(torch.bfloat16)
     weight = (torch.randn(out_features, 576) * 0.05).to(torch.bfloat16)
     b = torch.randn(out_features) if bias else None
-    eight = kernel.linear_bf16(x, weight, b)
+    eight = kernel.linear_bf16(x, TiledWeight.of(weight, 8), b)
     assert_within_one_ulp(eight, reference(x, weight, b))
-    assert torch.equal(kernel.linear_bf16(x, weight, b, row_tile=4), eight)
+    assert torch.equal(kernel.linear_bf16(x, TiledWeight.of(weight, 4), b), eight)
+
+
+@pytest.mark.parametrize("row_tile", [4, 8])
+@pytest.mark.parametrize("out_features", [8, 13, 64])
+def test_tiled_order_round_trips(row_tile: int, out_features: int) -> None:
+    """The tiled copy holds every weight once, in the kernel's order: a tile's first 16
+    inputs of each of its rows in turn, then the next 16; the rows past the last tile plain."""
+    weight = torch.arange(out_features * 32, dtype=torch.float32).view(out_features, 32)
+    tiled = TiledWeight.of(weight.to(torch.bfloat16), row_tile)
+    assert tiled.data.shape == weight.shape and tiled.data.is_contiguous()
+    assert torch.equal(tiled.untiled(), weight.to(torch.bfloat16))
+    flat = tiled.data.view(-1)
+    assert torch.equal(flat[16:32], weight[1, :16].to(torch.bfloat16))  # row 1, inputs 0-15
+    assert torch.equal(flat[row_tile * 16 : row_tile * 16 + 16], weight[0, 16:].bfloat16())
+    tail = out_features % row_tile
+    if tail:
+        assert torch.equal(tiled.data[-tail:], weight[-tail:].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="row_tile must be one of"):
+        TiledWeight.of(weight, 5)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        TiledWeight.of(weight[:, :24], 4)
 
 
 def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels) -> None:
-    weight = torch.randn(32, 64).to(torch.bfloat16)
+    plain = torch.randn(32, 64).to(torch.bfloat16)
+    weight = TiledWeight.of(plain, 8)
     x = torch.randn(5, 64).to(torch.bfloat16)
     assert kernel.linear_bf16(x, weight, None) is None  # more rows than LINEAR_MAX_ROWS
     assert kernel.linear_bf16(x[:1].float(), weight, None) is None  # float32 input
-    assert kernel.linear_bf16(x[:1, :48], weight[:, :48], None) is None  # 48: fine
-    assert kernel.linear_bf16(x[:1, :40], weight[:, :40].contiguous(), None) is None  # 40 % 16
-    assert kernel.linear_bf16(x[:1], weight[:, :32], None) is None  # a strided weight
-    with pytest.raises(ValueError, match="row_tile must be one of"):
-        kernel.linear_bf16(x[:1], weight, None, row_tile=5)
+    assert kernel.linear_bf16(x[:1, :48], TiledWeight.of(plain[:, :48], 8), None) is not None
+    forty = TiledWeight(plain[:, :40].contiguous(), 8)
+    assert kernel.linear_bf16(x[:1, :40], forty, None) is None  # 40 % 16
+    assert kernel.linear_bf16(x[:1, :32], TiledWeight(plain[:, :32], 8), None) is None  # strided
+    assert kernel.linear_bf16(x[:1], TiledWeight(weight.data, 5), None) is None  # no such tile
 
 
 def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
@@ -74,7 +97,7 @@ def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
     x = torch.zeros(1, 16, dtype=torch.bfloat16)
     # 1 + 2^-8 lies halfway between two bfloat16 values (1 and 1 + 2^-7): even is 1.
     bias = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, float("nan"), 0, 0, 0, 0, 0])
-    y = kernel.linear_bf16(x, weight, bias)
+    y = kernel.linear_bf16(x, TiledWeight.of(weight, 8), bias)
     assert y[0, 0].item() == 1.0 and y[0, 1].item() == 1 + 2.0**-6 and y[0, 2].isnan()
 
 
@@ -84,7 +107,7 @@ def test_linear_declines_shapes_that_disagree(kernel: cpu_ops.CpuKernels) -> Non
     past them."""
     x, weight = torch.randn(1, 64).to(torch.bfloat16), torch.randn(16, 64).to(torch.bfloat16)
     bias = torch.randn(16, 2)
-    assert kernel.linear_bf16(x, weight, bias[:, 0].contiguous()) is not None
+    assert kernel.linear_bf16(x, TiledWeight.of(weight, 8), bias[:, 0].contiguous()) is not None
     for bad_weight, bad_bias in [
         (torch.randn(16, 32).to(torch.bfloat16), None),  # 32 inputs for x's 64
         (weight, torch.randn(4)),
@@ -92,7 +115,7 @@ def test_linear_declines_shapes_that_disagree(kernel: cpu_ops.CpuKernels) -> Non
         (torch.randn(0, 64).to(torch.bfloat16), None),
         (torch.randn(2, 16, 64).to(torch.bfloat16), None),
     ]:
-        assert kernel.linear_bf16(x, bad_weight, bad_bias) is None
+        assert kernel.linear_bf16(x, TiledWeight(bad_weight, 8), bad_bias) is None
 
 
 @pytest.mark.parametrize("rows", [1, 4, 64])  # 1, 4: the kernel; 64: the oneDNN GEMM
@@ -105,9 +128,9 @@ def test_packed_bf16_linear_matches_float32_math(
     linear = nn.Linear(576, 960, bias=True).to(torch.bfloat16)
     calls: list[int] = []
 
-    def counted(x, w, b, row_tile=8):  # type: ignore[no-untyped-def]
+    def counted(x, w, b):  # type: ignore[no-untyped-def]
         calls.append(len(x))
-        return kernel.linear_bf16(x, w, b, row_tile)
+        return kernel.linear_bf16(x, w, b)
 
     packed = PackedLinear(linear, ("small-batch", "small-batch", large, large, large), counted)
     x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -118,8 +141,9 @@ def test_packed_bf16_linear_matches_float32_math(
     assert_within_one_ulp(out, reference(x, linear.weight.detach(), bias))
 
 
-def test_a_tied_weight_stays_shared(kernel: cpu_ops.CpuKernels) -> None:
-    """The kernel reads the embedding's own bfloat16 weight (no copy): a change to it shows."""
+def test_a_tied_head_computes_from_the_embedding(kernel: cpu_ops.CpuKernels) -> None:
+    """A head tied to the embedding reads a tiled copy of the embedding's weight (the embedding
+    keeps its own rows for lookups): the logits are the embedding's."""
     embedding = nn.Embedding(64, 32).to(torch.bfloat16)
     head = nn.Linear(32, 64, bias=False).to(torch.bfloat16)
     head.weight = embedding.weight
@@ -128,6 +152,5 @@ def test_a_tied_weight_stays_shared(kernel: cpu_ops.CpuKernels) -> None:
     assert pack_linears(model, lambda name, linear: paths, kernel.linear_bf16) == 1
     x = torch.randn(1, 32).to(torch.bfloat16)
     with torch.inference_mode():
-        before = model["head"](x)
-        embedding.weight.mul_(2)
-        assert_within_one_ulp(model["head"](x), (before.float() * 2).to(torch.bfloat16))
+        logits = model["head"](x)
+    assert_within_one_ulp(logits, reference(x, embedding.weight.detach(), None))

@@ -7,7 +7,7 @@ the separate kernels' bit for bit, so this is a speed choice with nothing else t
 
 ``FusedDecode.build`` prepares it once, for the KV cache its owner (the model runner) hands it,
 and for each row count 1-4 at which every linear of every layer runs a small-batch path
-(``PackedLinear.row_tile``): bfloat16 weights on CPU with the compiled kernels loaded. Any
+(``PackedLinear.small_batch_gemm``): bfloat16 weights on CPU with the compiled kernels loaded. Any
 other step (prefill tokens, more rows, another cache) goes through the layers one by one.
 """
 
@@ -33,25 +33,21 @@ def _layer_weights(
     """What the compiled call reads of ``layer`` at ``rows`` rows, or None where a linear of it
     does not run the small-batch kernel there."""
     attn, mlp = layer.self_attn, layer.mlp
-    operands, tiles = [], []
+    gemms = []
     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        if not isinstance(linear, PackedLinear) or linear.small_batch_operands is None:
+        gemm = linear.small_batch_gemm(rows) if isinstance(linear, PackedLinear) else None
+        if gemm is None:
             return None
-        tile = linear.row_tile(rows)
-        if tile is None:
-            return None
-        operands.append(linear.small_batch_operands)
-        tiles.append(tile)
-    (qkv, qkv_bias), (o, _), (gate_up, _), (down, _) = operands
+        gemms.append(gemm)
+    qkv, o, gate_up, down = gemms
     return LayerWeights(
         input_norm=layer.input_layernorm.weight.detach(),
         post_norm=layer.post_attention_layernorm.weight.detach(),
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        o=o,
-        gate_up=gate_up,
-        down=down,
-        row_tiles=(tiles[0], tiles[1], tiles[2], tiles[3]),
+        qkv=qkv.weight,
+        qkv_bias=qkv.bias,
+        o=o.weight,
+        gate_up=gate_up.weight,
+        down=down.weight,
         key_cache=kv_cache[0],
         value_cache=kv_cache[1],
     )
@@ -81,7 +77,8 @@ class FusedDecode:
             eps=cfg.rms_norm_eps,
             scale=cfg.head_dim**-0.5,  # Attention.scale
         )
-        prepared: dict[tuple[int, ...], DecodeLayers] = {}  # by row tiles: shared where equal
+        # By the weights' identities: row counts served by the same tiled copies share a call.
+        prepared: dict[tuple[int, ...], DecodeLayers] = {}
         by_rows: dict[int, DecodeLayers] = {}
         for rows in range(1, LINEAR_MAX_ROWS + 1):
             weights = [
@@ -90,13 +87,17 @@ class FusedDecode:
             ]
             if any(w is None for w in weights):
                 continue
-            tiles = tuple(t for w in weights for t in w.row_tiles)  # type: ignore[union-attr]
-            if tiles not in prepared:
+            key = tuple(
+                id(linear)
+                for w in weights
+                for linear in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore[union-attr]
+            )
+            if key not in prepared:
                 try:
-                    prepared[tiles] = DecodeLayers(backend, shape, weights)  # type: ignore[arg-type]
+                    prepared[key] = DecodeLayers(backend, shape, weights)  # type: ignore[arg-type]
                 except ValueError:
                     continue  # a dtype or cache layout it does not take
-            by_rows[rows] = prepared[tiles]
+            by_rows[rows] = prepared[key]
         return cls(backend, kv_caches, by_rows) if by_rows else None
 
     def run(

@@ -304,7 +304,8 @@ def l3_bytes() -> int:
 
 
 def cache_key(model: nn.Module, small_batch: SmallBatchLinear | None, cpu: str) -> str:
-    """What a measured table depends on: CPU, torch, threads, shapes, dtypes, candidates."""
+    """What a measured table depends on: CPU, torch, threads, shapes, dtypes, candidates, and
+    the small-batch kernel's build (its library's file name hashes the C sources)."""
     shapes = [
         [
             *shape,
@@ -313,8 +314,11 @@ def cache_key(model: nn.Module, small_batch: SmallBatchLinear | None, cpu: str) 
         ]
         for shape, (linear, _) in model_linears(model).items()
     ]
+    library = getattr(getattr(small_batch, "__self__", None), "path", None)
+    build = library.name if isinstance(library, Path) else None
     material = json.dumps(
-        [FORMAT, cpu, torch.__version__, torch.get_num_threads(), ROW_BUCKETS, LARGEST_ROWS, shapes]
+        [FORMAT, cpu, torch.__version__, torch.get_num_threads(), ROW_BUCKETS, LARGEST_ROWS]
+        + [shapes, build]
     )
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 

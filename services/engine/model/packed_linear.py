@@ -12,10 +12,11 @@ The paths (``PATHS``), each computing ``y = x @ W.T + b`` from the same weights:
 - ``mkl``: ``torch.nn.functional.linear`` in float32 on the plain (widened) weight: MKL's sgemm,
   which on some CPUs beats oneDNN (an Emerald Rapids Xeon at 64 rows, issue #33).
 - ``small-batch``: the compiled ``kernels.cpu_ops.CpuKernels.linear_bf16``, 1-4 rows of
-  bfloat16 weights read in place: a GEMM of a few rows is bound by the weight read, and this
-  reads half the bytes of a widened weight and skips oneDNN's per-call overhead. It reads eight
-  weight rows at a time; ``small-batch-4`` is the same kernel reading four, which some CPUs'
-  prefetchers follow better (a Zen 4 VM: 26 GB/s against 20).
+  bfloat16 weights copied once into the order it reads (``kernels.cpu_ops.TiledWeight``): a
+  GEMM of a few rows is bound by the weight read, and this reads half the bytes of a widened
+  weight as one sequential stream per thread and skips oneDNN's per-call overhead. It reads
+  eight weight rows at a time; ``small-batch-4`` is the same kernel reading four (the same
+  result; which is faster depends on the CPU).
 
 Which path runs is a table per layer: one path per row bucket (``ROW_BUCKETS``), chosen by
 measurement at engine start (``services.engine.model.gemm_choice``) or forced by
@@ -28,19 +29,22 @@ from __future__ import annotations
 import bisect
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu_ops import TiledWeight
+
 
 class SmallBatchLinear(Protocol):
-    """(x [rows, in], weight [out, in], float32 bias or None, weight rows read together) ->
-    y [rows, out], or None where the kernel does not take these inputs."""
+    """(x [rows, in], the tiled weight, float32 bias or None) -> y [rows, out], or None where
+    the kernel does not take these inputs."""
 
     def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_tile: int = 8
+        self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
     ) -> torch.Tensor | None: ...
 
 
@@ -155,10 +159,24 @@ def make_gemm(
 
         return mkl
     if path in SMALL_BATCH_PATHS and small_batch is not None:
-        kernel, bf16, row_tile = small_batch, weight.contiguous(), SMALL_BATCH_PATHS[path]
+        tiled = TiledWeight.of(weight, SMALL_BATCH_PATHS[path])
         float_bias = None if bias is None else bias.float().contiguous()
-        return lambda x: kernel(x, bf16, float_bias, row_tile)
+        return SmallBatchGemm(small_batch, tiled, float_bias)
     raise ValueError(f"no GEMM for path {path!r}")
+
+
+@dataclass(frozen=True)
+class SmallBatchGemm:
+    """The ``small-batch`` paths' GEMM: ``kernel`` over the weight in its tiled order and a
+    float32 bias, which callers that run the kernel themselves read (the fused decode layers,
+    ``services.engine.model.fused_decode``)."""
+
+    kernel: SmallBatchLinear
+    weight: TiledWeight
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.kernel(x, self.weight, self.bias)
 
 
 class PackedLinear(nn.Module):
@@ -183,12 +201,6 @@ class PackedLinear(nn.Module):
             weight = linear.weight.detach()
             bias = None if linear.bias is None else linear.bias.detach()
             gemms = {p: make_gemm(p, weight, bias, small_batch) for p in set(self.paths)}
-        # What the small-batch kernel reads (the weight in place, a float32 bias), for callers
-        # that run it themselves: the fused decode layers (services.engine.model.fused_decode).
-        self.small_batch_operands: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        if small_batch is not None and set(self.paths) & SMALL_BATCH_PATHS.keys():
-            float_bias = None if bias is None else bias.float().contiguous()
-            self.small_batch_operands = (weight.contiguous(), float_bias)
         by_bucket = [gemms[p] for p in self.paths]
         # A list indexed by the row count: the lookup costs nothing at one row.
         self._by_rows = [by_bucket[bucket_of(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
@@ -214,9 +226,10 @@ class PackedLinear(nn.Module):
             y = y.to(dtype)
         return y.view(*shape[:-1], self.out_features)
 
-    def row_tile(self, rows: int) -> int | None:
-        """The small-batch kernel's row tile where it serves ``rows`` rows, else None."""
-        return SMALL_BATCH_PATHS.get(self.paths[bucket_of(max(rows, 1))])
+    def small_batch_gemm(self, rows: int) -> SmallBatchGemm | None:
+        """The small-batch kernel's GEMM where it serves ``rows`` rows, else None."""
+        gemm = self._by_rows[rows] if 0 < rows < len(self._by_rows) else None
+        return gemm if isinstance(gemm, SmallBatchGemm) else None
 
     def extra_repr(self) -> str:
         table = ", ".join(f"{bucket_label(i)}: {p}" for i, p in enumerate(self.paths))
