@@ -39,17 +39,31 @@
 #endif
 
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
+#define PREFETCH_BLOCKS 2 /* blocks ahead whose rows are asked for (1 -> 2: -10% from memory) */
 
 static inline const void *at(const void *base, int64_t index, int bf16) {
     return bf16 ? (const void *)((const uint16_t *)base + index)
                 : (const void *)((const float *)base + index);
 }
 
-/* Ask for the next block's rows of this head (`bytes` from `start`) ahead of their use: blocks
- * lie anywhere in the pool, so the hardware prefetcher cannot guess the next one. */
-static inline void prefetch_rows(const void *start, int64_t bytes) {
-    for (int64_t offset = 0; offset < bytes; offset += 64)
-        __builtin_prefetch((const char *)start + offset, 0, 3);
+/* Ask for a block's rows of this head (`count` rows of `row_bytes`, `stride_bytes` apart) ahead
+ * of their use: blocks lie anywhere in the pool, so the hardware prefetcher cannot guess the next
+ * one. Only this head's rows: the block's other heads are other work items' (prefetching the
+ * whole block span for every head cost a sixth of the kernel's time at 64 sequences). */
+static inline void prefetch_rows(const void *start, int64_t count, int64_t stride_bytes,
+                                 int64_t row_bytes) {
+    for (int64_t r = 0; r < count; r++)
+        for (int64_t offset = 0; offset < row_bytes; offset += 64)
+            __builtin_prefetch((const char *)start + r * stride_bytes + offset, 0, 3);
+}
+
+/* The first `count` (1-16) lanes of `dots` to `dst`: a whole vector when all 16 (a memcpy of a
+ * runtime size compiles to `rep movs`, which cost 6% of the kernel at 64 sequences). */
+ALWAYS_INLINE void store_scores(float *dst, vec16 dots, int64_t count) {
+    if (count == LANES)
+        store(dst, 0, dots, 0);
+    else
+        memcpy(dst, &dots, sizeof(float) * (size_t)count);
 }
 
 /* Softmax of `row` [len] in place: float32, with the max subtracted first. */
@@ -100,17 +114,20 @@ ALWAYS_INLINE const float *rows16(const void *cache, int64_t index, int64_t toke
 }
 
 /* Where this head's rows of the block holding tokens [start, start + block_size) begin (in
- * elements), and through `rows` how many of them the context has; the next block's rows are
- * prefetched. */
+ * elements), and through `rows` how many of them the context has; this head's rows of the block
+ * PREFETCH_BLOCKS ahead are prefetched (and at the first block, those before it). */
 ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const int32_t *table,
-                                 int64_t head_offset, int64_t start, int64_t len,
-                                 int64_t row_bytes, int bf16, int64_t *rows) {
-    const int64_t bs = job->block_size;
+                                 int64_t head_offset, int64_t start, int64_t len, int bf16,
+                                 int64_t *rows) {
+    const int64_t bs = job->block_size, element = bf16 ? 2 : 4;
+    const int64_t stride_bytes = job->token_stride * element, row_bytes = job->head_dim * element;
     *rows = len - start < bs ? len - start : bs;
-    if (start + bs < len)
-        prefetch_rows(at(cache, table[start / bs + 1] * job->block_stride + head_offset, bf16),
-                      row_bytes);
-    return table[start / bs] * job->block_stride + head_offset;
+    const int64_t block = start / bs, used = (len + bs - 1) / bs;
+    for (int64_t ahead = block == 0 ? 1 : PREFETCH_BLOCKS; ahead <= PREFETCH_BLOCKS; ahead++)
+        if (block + ahead < used)
+            prefetch_rows(at(cache, table[block + ahead] * job->block_stride + head_offset, bf16),
+                          bs, stride_bytes, row_bytes);
+    return table[block] * job->block_stride + head_offset;
 }
 
 #if HAVE_DPBF16
@@ -118,14 +135,14 @@ ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const int32_
  * caller got them; `chunks` is even (rows of 32 bfloat16 pairs). Scores go where pass 1 puts
  * them. */
 ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t head_offset,
-                                   int64_t len, int64_t row_bytes, const uint16_t *qbf16,
+                                   int64_t len, const uint16_t *qbf16,
                                    int64_t group, int64_t chunks, float *scores) {
     const int64_t bs = job->block_size, dim = chunks * LANES, pairs = chunks / 2;
     const uint16_t *cache = (const uint16_t *)job->key_cache;
     for (int64_t start = 0; start < len; start += bs) {
         int64_t rows;
         const uint16_t *block =
-            cache + block_rows(job, cache, table, head_offset, start, len, row_bytes, 1, &rows);
+            cache + block_rows(job, cache, table, head_offset, start, len, 1, &rows);
         for (int64_t first = 0; first < rows; first += LANES) {
             const int64_t count = rows - first < LANES ? rows - first : LANES;
             const uint16_t *keys = block + first * job->token_stride;
@@ -145,7 +162,7 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
                     memcpy(&acc[r], &sum, sizeof sum);
                 }
                 const vec16 dots = sum_lanes16(acc) * job->scale;
-                memcpy(scores + g * len + start + first, &dots, sizeof(float) * (size_t)count);
+                store_scores(scores + g * len + start + first, dots, count);
             }
         }
     }
@@ -157,7 +174,7 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
  * each value row widened once, in registers, for all the group's heads. The additions per
  * output element come in the order of the tokens, as in the sixteen-row path. */
 ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t head_offset,
-                                int64_t len, int64_t row_bytes, const float *scores, float *out,
+                                int64_t len, const float *scores, float *out,
                                 int bf16, int64_t chunks, int64_t group) {
     const int64_t bs = job->block_size;
     vec16 acc[4][MAX_CHUNKS];
@@ -165,8 +182,8 @@ ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t he
         for (int64_t c = 0; c < chunks; c++) acc[g][c] = (vec16){0};
     for (int64_t start = 0; start < len; start += bs) {
         int64_t rows;
-        const int64_t block = block_rows(job, job->value_cache, table, head_offset, start, len,
-                                         row_bytes, bf16, &rows);
+        const int64_t block =
+            block_rows(job, job->value_cache, table, head_offset, start, len, bf16, &rows);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t row = block + r * job->token_stride;
             for (int64_t c = 0; c < chunks; c++) {
@@ -195,8 +212,6 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
     if (len > job->max_context_len) len = job->max_context_len;
     const int32_t *table = job->block_tables + seq * job->max_blocks;
     const int64_t head_offset = kv_head * job->head_stride;
-    const int64_t element = bf16 ? 2 : 4;
-    const int64_t row_bytes = ((bs - 1) * job->token_stride + dim) * element;
     memset(out, 0, sizeof(float) * group * dim);
     if (len <= 0) return;
 
@@ -205,14 +220,14 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
      * sixteen keys at a time so that their sixteen horizontal sums share one shuffle tree. */
 #if HAVE_DPBF16
     if (bf16 && qbf16 != NULL && chunks % 2 == 0) {
-        dot_blocks_bf16(job, table, head_offset, len, row_bytes, qbf16, group, chunks, scores);
+        dot_blocks_bf16(job, table, head_offset, len, qbf16, group, chunks, scores);
     } else
 #endif
     {
         for (int64_t start = 0; start < len; start += bs) {
             int64_t rows;
-            const int64_t block = block_rows(job, job->key_cache, table, head_offset, start, len,
-                                             row_bytes, bf16, &rows);
+            const int64_t block =
+                block_rows(job, job->key_cache, table, head_offset, start, len, bf16, &rows);
             for (int64_t first = 0; first < rows; first += LANES) {
                 const int64_t count = rows - first < LANES ? rows - first : LANES;
                 int64_t stride;
@@ -229,8 +244,7 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
                             acc[r] += qg[c] * load(keys, r * stride + c * LANES, 0);
                     }
                     const vec16 dots = sum_lanes16(acc) * job->scale;
-                    memcpy(scores + g * len + start + first, &dots,
-                           sizeof(float) * (size_t)count);
+                    store_scores(scores + g * len + start + first, dots, count);
                 }
             }
         }
@@ -243,7 +257,7 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
      * a larger group goes sixteen rows at a time (widened once into `widened` for all its
      * heads), one head's output row in registers at a time. */
     switch (group) {
-#define WEIGH(G) weigh_values(job, table, head_offset, len, row_bytes, scores, out, bf16, chunks, G)
+#define WEIGH(G) weigh_values(job, table, head_offset, len, scores, out, bf16, chunks, G)
     case 1: WEIGH(1); return;
     case 2: WEIGH(2); return;
     case 3: WEIGH(3); return;
@@ -252,8 +266,8 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
     }
     for (int64_t start = 0; start < len; start += bs) {
         int64_t rows;
-        const int64_t block = block_rows(job, job->value_cache, table, head_offset, start, len,
-                                         row_bytes, bf16, &rows);
+        const int64_t block =
+            block_rows(job, job->value_cache, table, head_offset, start, len, bf16, &rows);
         for (int64_t first = 0; first < rows; first += LANES) {
             const int64_t count = rows - first < LANES ? rows - first : LANES;
             int64_t stride;
