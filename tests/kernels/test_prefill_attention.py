@@ -1,0 +1,115 @@
+"""The compiled prefill attention (``kernels/csrc/prefill_attention_cpu.c``) against the float32
+reference on the same bfloat16 values, over drawn batches: sequences with and without a cached
+prefix, GQA groups, head sizes, block sizes and block tables anywhere in the pool.
+
+Its arithmetic differs from float32 math by the softmax weights' rounding to bfloat16 (as
+PyTorch's CPU flash attention rounds them for a bfloat16 query) and the output's: the bound is
+PyTorch's own bfloat16 SDPA's error on the same inputs, with a margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernels import cpu_ops, reference
+
+
+@pytest.fixture(scope="module")
+def compiled(kernel: cpu_ops.CpuKernels) -> cpu_ops.CpuKernels:
+    if not kernel.prefill.available:
+        pytest.skip("the compiled prefill attention needs AVX-512 BF16, which this CPU lacks")
+    return kernel
+
+
+def batch(
+    data: st.DataObject, head_dim: int, num_kv_heads: int, group: int, block_size: int
+) -> tuple[torch.Tensor, ...]:
+    """Query, caches, tables, query starts and context lengths of a drawn batch."""
+    queries = data.draw(st.lists(st.integers(1, 70), min_size=1, max_size=3), label="queries")
+    prefixes = data.draw(
+        st.lists(st.integers(0, 90), min_size=len(queries), max_size=len(queries)),
+        label="prefixes",
+    )
+    lens = [q + p for q, p in zip(queries, prefixes)]
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * max_blocks + data.draw(st.integers(0, 8), label="spare blocks")
+    seed = data.draw(st.integers(0, 2**31 - 1), label="seed")
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    value_cache = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    order = torch.randperm(num_blocks, generator=gen)[: len(lens) * max_blocks]
+    tables = order.view(len(lens), max_blocks).to(torch.int32)
+    query = torch.randn(sum(queries), num_kv_heads * group, head_dim, generator=gen)
+    starts = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32)
+    return (
+        query.to(torch.bfloat16),
+        key_cache,
+        value_cache,
+        tables,
+        starts,
+        torch.tensor(lens, dtype=torch.int32),
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    head_dim=st.sampled_from([32, 64, 128]),
+    num_kv_heads=st.integers(1, 3),
+    group=st.integers(1, 4),
+    block_size=st.sampled_from([8, 16]),
+)
+def test_matches_float32_attention_as_closely_as_pytorch_does(
+    compiled: cpu_ops.CpuKernels,
+    data: st.DataObject,
+    head_dim: int,
+    num_kv_heads: int,
+    group: int,
+    block_size: int,
+) -> None:
+    args = batch(data, head_dim, num_kv_heads, group, block_size)
+    query, key_cache, value_cache, *rest = args
+    scale = head_dim**-0.5
+    exact = reference.paged_attention_prefill(
+        query.float(), key_cache.float(), value_cache.float(), *rest, scale
+    )
+    pytorch = reference.paged_attention_prefill(*args, scale).float()
+    ours = compiled.prefill(*args, scale)
+    assert ours is not None and ours.dtype == torch.bfloat16 and ours.shape == query.shape
+    error, pytorch_error = (ours.float() - exact).abs(), (pytorch - exact).abs()
+    assert error.max() <= 2 * pytorch_error.max() + 2e-3
+    assert error.mean() <= 1.5 * pytorch_error.mean() + 1e-4
+    # The backend's own entry point takes the compiled path for these tensors.
+    assert torch.equal(compiled.paged_attention_prefill(*args, scale), ours)
+
+
+def test_declines_what_it_does_not_take(compiled: cpu_ops.CpuKernels) -> None:
+    """None for float32, a head size not a multiple of 32, or mixed dtypes; the backend then
+    computes the reference's attention exactly."""
+    query = torch.randn(4, 2, 64)
+    cache = torch.randn(2, 16, 2, 64)
+    tables = torch.tensor([[0]], dtype=torch.int32)
+    starts, lens = torch.tensor([0, 4]), torch.tensor([4])
+    args = (query, cache, cache, tables, starts, lens, 0.125)
+    assert compiled.prefill(*args) is None
+    assert torch.equal(
+        compiled.paged_attention_prefill(*args), reference.paged_attention_prefill(*args)
+    )
+    half = cache[..., :48].to(torch.bfloat16)
+    assert compiled.prefill(query[..., :48].to(torch.bfloat16), half, half, *args[3:]) is None
+    bf16 = cache.to(torch.bfloat16)
+    assert compiled.prefill(query, bf16, bf16, *args[3:]) is None  # a float32 query
+
+
+def test_refuses_bad_tables_and_lengths_before_reading(compiled: cpu_ops.CpuKernels) -> None:
+    query = torch.randn(4, 2, 64).to(torch.bfloat16)
+    cache = torch.randn(2, 16, 2, 64).to(torch.bfloat16)
+    starts = torch.tensor([0, 4])
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        compiled.prefill(query, cache, cache, torch.tensor([[2]]), starts, torch.tensor([4]), 0.1)
+    with pytest.raises(ValueError, match="shorter than its query"):
+        compiled.prefill(query, cache, cache, torch.tensor([[0]]), starts, torch.tensor([3]), 0.1)
