@@ -10,6 +10,10 @@
 3. The layer glue of one step, all 30 layers, for T tokens: the two residual adds with their
    RMSNorms, rotary with the KV write, SiLU-and-multiply; PyTorch's operators
    (``kernels.reference``) vs the fused compiled calls (``kernels/csrc/layer_ops_cpu.c``).
+4. Prefill attention of one layer for a fresh prompt of P tokens, bfloat16 (the compiled kernel
+   takes bfloat16 only, on CPUs with AVX-512 BF16): PyTorch's SDPA (``kernels.reference``) vs
+   ``kernels/csrc/prefill_attention_cpu.c``, in GFLOP/s (causal: 2 x P (P + 1) x heads x
+   head_dim flops), each one's largest difference from float32 attention on the same values.
 
 Medians of --repeats timed runs after one warm-up, with --threads torch threads.
 
@@ -152,6 +156,27 @@ def glue_rows(
     return results
 
 
+def prefill_rows(
+    kernel: cpu_ops.CpuKernels, prompts: list[int], repeats: int
+) -> list[tuple[int, float, float, float, float]]:
+    """(P, SDPA ms, compiled ms, SDPA max |diff|, compiled max |diff|) for one layer's prefill
+    attention over a P-token prompt in shuffled blocks of a bfloat16 cache."""
+    results = []
+    for tokens in tqdm(prompts, desc="prefill attention", unit="P", file=sys.stderr):
+        blocks = -(-tokens // BLOCK_SIZE)
+        shape = (2 * blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        key, value = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
+        tables = torch.randperm(2 * blocks)[:blocks].view(1, blocks).int()
+        query = torch.randn(tokens, NUM_HEADS, HEAD_DIM).bfloat16()
+        args = (tables, torch.tensor([0, tokens]), torch.tensor([tokens]), HEAD_DIM**-0.5)
+        exact = reference.paged_attention_prefill(query.float(), key.float(), value.float(), *args)
+        sdpa = partial(reference.paged_attention_prefill, query, key, value, *args)
+        compiled = partial(kernel.prefill, query, key, value, *args)
+        diffs = [float((fn().float() - exact).abs().max()) for fn in (sdpa, compiled)]  # type: ignore[union-attr]
+        results.append((tokens, median_ms(sdpa, repeats), median_ms(compiled, repeats), *diffs))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,2,3,4,8,16,32,64", help="GEMM row counts M")
@@ -164,6 +189,7 @@ def main() -> int:
     )
     parser.add_argument("--no-gemm", action="store_true", help="no GEMMs")
     parser.add_argument("--glue-tokens", default="1,64,512", help="layer glue token counts T")
+    parser.add_argument("--prefill-tokens", default="512,2048", help="prompt lengths P")
     # The engine's own settings that place and build the kernel: --cache-dir, --cpu-kernels-cc.
     others = [name for name, *_ in settings_of(EngineConfig, nested=False)]
     skip = tuple(name for name in others if name not in ("cache_dir", "cpu_kernels_cc"))
@@ -211,6 +237,29 @@ def main() -> int:
     with torch.inference_mode():
         for t, ref_ms, kernel_ms in glue_rows(kernel, ints(args.glue_tokens), args.repeats, dtype):
             print(f"{t:>4} {ref_ms:>15.2f} {kernel_ms:>12.2f} {ref_ms / kernel_ms:>7.2f}x")
+
+    if not kernel.prefill.available:
+        print("\nprefill attention: not compiled on this CPU (no AVX-512 BF16): SDPA only")
+        return 0
+    print(
+        f"\nprefill attention: one layer, a fresh prompt of P tokens, {NUM_HEADS}/{NUM_KV_HEADS} "
+        f"heads, head_dim {HEAD_DIM}, bfloat16; max |diff| from float32 attention"
+    )
+    print(
+        f"{'P':>5} {'SDPA ms':>8} {'GFLOP/s':>8} {'ours ms':>8} {'GFLOP/s':>8} {'speedup':>8}",
+        end="",
+    )
+    print(f" {'SDPA diff':>10} {'ours diff':>10}")
+    with torch.inference_mode():
+        for p, sdpa_ms, ours_ms, sdpa_diff, ours_diff in prefill_rows(
+            kernel, ints(args.prefill_tokens), args.repeats
+        ):
+            gflop = 2 * p * (p + 1) * NUM_HEADS * HEAD_DIM / 1e9
+            print(
+                f"{p:>5} {sdpa_ms:>8.1f} {gflop / sdpa_ms * 1e3:>8.0f} {ours_ms:>8.1f} "
+                f"{gflop / ours_ms * 1e3:>8.0f} {sdpa_ms / ours_ms:>7.2f}x "
+                f"{sdpa_diff:>10.1e} {ours_diff:>10.1e}"
+            )
     return 0
 
 
