@@ -193,7 +193,16 @@ def test_the_router_closes_channels_of_workers_that_left_the_registry(
 
                 await workers[drains].set_draining()
                 await workers[leaves].deregister()
-                await eventually(lambda: len(pool) == 2, 5, "the channel of prefill-b closed")
+                # The pruner drops the channel from the pool, then awaits its close: wait for
+                # both (one full run looked in between and saw the channel still open).
+                await eventually(
+                    lambda: (
+                        len(pool) == 2
+                        and opened[leaves].get_state() == grpc.ChannelConnectivity.SHUTDOWN
+                    ),
+                    5,
+                    "the channel of prefill-b closed",
+                )
 
                 await assert_closed(opened[leaves])
                 for address in (stays, drains):
