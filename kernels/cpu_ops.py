@@ -15,7 +15,8 @@ environment.
 Decode attention is compiled for float32 and bfloat16: it runs every step for every sequence
 and, done with PyTorch ops, copies each sequence's whole context out of the cache
 (``reference.gather_blocks``) per layer. Prefill attention is compiled for bfloat16 on CPUs with
-AVX-512 BF16, where it runs at twice the rate of PyTorch's SDPA; elsewhere prefill is the
+AVX-512 BF16 and used where it measured faster than PyTorch's SDPA (twice its rate on a Zen 4
+VM; slower than SDPA on AMX on a Sapphire Rapids-class Xeon); elsewhere prefill is the
 reference. The KV write is part of ``rotary_write_kv``. The layer
 glue is compiled because at a decode batch of one its twenty-odd PyTorch operators per layer cost
 more in dispatch than in arithmetic (``kernels/csrc/layer_ops_cpu.c``). ``CpuKernels.linear_bf16``
@@ -322,9 +323,10 @@ class CpuKernels:
         scale: float,
     ) -> torch.Tensor:
         """Same contract as ``reference.paged_attention_prefill``: compiled where
-        ``PrefillAttention.takes`` the tensors, else the reference."""
+        ``PrefillAttention.takes`` the tensors and measured faster there (``use``), else the
+        reference."""
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
-        out = self.prefill(*args, scale)
+        out = self.prefill(*args, scale) if self.prefill.use(query, key_cache) else None
         return reference.paged_attention_prefill(*args, scale) if out is None else out
 
     def linear_bf16(

@@ -16,17 +16,21 @@ compiled decode attention of ``kernels.cpu_ops``, built once under ``<cache_dir>
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from kernels import Backend, cpu_ops
+from kernels.prefill_attention import MEASURE_TOKENS
 from services.engine.config import EngineConfig
 from services.engine.model.fused_decode import FusedDecode
 from services.engine.model.llama import AttentionMetadata, LlamaModel
 from services.engine.model.simulated import SimulatedModel
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 def kv_bytes_per_block(
@@ -107,6 +111,17 @@ class ModelRunner:
         self.prompt_hidden: list[PromptHidden] = []  # the last execute()'s, for prompt logprobs
         if isinstance(model, LlamaModel):  # decode steps of 1-4 sequences in one call, if it can
             model.fused_decode = FusedDecode.build(model, attention, self.layer_caches)
+        if isinstance(attention, cpu_ops.CpuKernels) and dtype == torch.bfloat16:
+            sdpa, compiled = attention.prefill.measure(
+                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            )
+            logger.info(
+                "prefill attention at %d tokens: SDPA %.1f ms, compiled %.1f ms: using %s",
+                MEASURE_TOKENS,
+                sdpa * 1e3,
+                compiled * 1e3,
+                "the compiled kernel" if compiled < sdpa else "SDPA",
+            )
 
     def copy_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write: all before this step writes any KV."""

@@ -83,8 +83,33 @@ def test_matches_float32_attention_as_closely_as_pytorch_does(
     error, pytorch_error = (ours.float() - exact).abs(), (pytorch - exact).abs()
     assert error.max() <= 2 * pytorch_error.max() + 2e-3
     assert error.mean() <= 1.5 * pytorch_error.mean() + 1e-4
-    # The backend's own entry point takes the compiled path for these tensors.
-    assert torch.equal(compiled.paged_attention_prefill(*args, scale), ours)
+    # The backend's entry point runs what was measured faster for this shape (default: SDPA).
+    chosen = ours if compiled.prefill.use(query, key_cache) else pytorch.to(torch.bfloat16)
+    assert torch.equal(compiled.paged_attention_prefill(*args, scale), chosen)
+
+
+def test_the_faster_of_the_two_is_measured_and_then_used(compiled: cpu_ops.CpuKernels) -> None:
+    """Before ``measure`` the backend keeps SDPA; after it, the one that was faster for that
+    shape and thread count; other shapes are not affected."""
+    prefill = compiled.prefill
+    query = torch.randn(3, 4, 64).bfloat16()
+    cache = torch.randn(1, 16, 2, 64).bfloat16()
+    args = (torch.tensor([[0]]), torch.tensor([0, 3]), torch.tensor([3]), 0.125)
+    fresh = type(prefill)(compiled.lib)  # a new decision table: nothing measured yet
+    assert not fresh.use(query, cache)
+    sdpa, ours = fresh.measure(4, 2, 64)
+    assert 0 < sdpa < float("inf") and 0 < ours < float("inf")
+    assert fresh.use(query, cache) == (ours < sdpa)
+    assert not fresh.use(torch.randn(3, 8, 64).bfloat16(), cache)  # another shape: not measured
+    assert fresh.measure(4, 2, 48) == (float("inf"), float("inf"))  # one it does not take
+    compiled.prefill, before = fresh, prefill
+    try:
+        expected = fresh(query, cache, cache, *args) if ours < sdpa else None
+        if expected is None:
+            expected = reference.paged_attention_prefill(query, cache, cache, *args)
+        assert torch.equal(compiled.paged_attention_prefill(query, cache, cache, *args), expected)
+    finally:
+        compiled.prefill = before
 
 
 def test_declines_what_it_does_not_take(compiled: cpu_ops.CpuKernels) -> None:
