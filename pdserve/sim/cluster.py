@@ -14,7 +14,8 @@ What each part does, as the real one does:
   ``conditional`` with ``--local-prefill-tokens``, ``--prefill-busy-tokens``,
   ``--decode-busy-sequences``) decides from the same ``RequestFacts`` the router builds:
   prompt tokens (nothing cached: the simulator has no prefix cache), prompt tokens in flight on
-  the least busy prefill worker, the decode worker's sequences and its own local prompts.
+  the least busy prefill worker, the requests it has in flight on the decode worker, and that
+  worker's local prompts not yet answered.
 - **Hand-off**: the prefill worker samples the first token and pins the prompt's blocks under a
   lease; the request joins its decode worker's queue; when admitted (blocks for the prompt) it
   pulls over that worker's link (one pull at a time, ``latency + bytes / bandwidth``) while the
@@ -114,6 +115,7 @@ class SimResult:
     num_preempted: int
     num_lease_expired: int
     routes: dict[str, int] = field(default_factory=dict)
+    decisions: dict[str, int] = field(default_factory=dict)  # "local:short" -> requests
 
 
 class Simulation:
@@ -180,8 +182,11 @@ class Simulation:
         finished = {r.index for r in self.done} | {r.index for r in self.failed}
         self.failed += [r for r in requests if r.index not in finished]  # never admitted
         routes: dict[str, int] = {}
+        decisions: dict[str, int] = {}
         for r in requests:
             routes[r.route or "none"] = routes.get(r.route or "none", 0) + 1
+            if r.decision:
+                decisions[r.decision] = decisions.get(r.decision, 0) + 1
         workers = [w for pool in self.pools.values() for w in pool.workers]
         return SimResult(
             sorted(self.done, key=lambda r: r.index),
@@ -190,6 +195,7 @@ class Simulation:
             sum(w.num_preempted for w in workers),
             self.num_lease_expired,
             routes,
+            decisions,
         )
 
     # -- the router -----------------------------------------------------------------------------
@@ -211,10 +217,13 @@ class Simulation:
             prompt_tokens=request.prompt_tokens,
             cached_tokens=0,
             prefill_queue_tokens=int(prefill.prompt_tokens.min()),
-            decode_sequences=worker.num_sequences,
+            # the router's own count of its calls open there (a heartbeat's count lags behind)
+            decode_sequences=int(decode.loads[d]),
             local_queue_tokens=worker.local_prompt_tokens,
         )
-        if self.disaggregation.decide(facts).remote:
+        decision = self.disaggregation.decide(facts)
+        request.decision = f"{decision.label}:{decision.reason}"  # as the router's metric has it
+        if decision.remote:
             request.route = "remote"
             request.prefill_worker = self.send(prefill, request, now)
             decode.loads[d] += 1

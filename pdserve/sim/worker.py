@@ -39,6 +39,7 @@ class SimRequest:
     num_blocks: int = 0  # blocks held on the current worker
     token_times: list[float] = field(default_factory=list)
     route: str = ""  # "colocated", "local" (on its decode worker) or "remote"
+    decision: str = ""  # the disaggregation policy's "label:reason" ("local:short", ...)
     kv_source: str = ""  # how the decode side got the KV: computed, pulled, recomputed
     needs_pull: bool = False  # on its decode worker, its KV to come from the prefill worker
     pulling: bool = False  # admitted on its decode worker, its KV on the link
