@@ -32,6 +32,7 @@ Two columns of predictions each:
 
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
+        [--decode-points MEASURED_PROFILE | --no-decode-residuals]
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from goodput import preset_workload  # noqa: E402  (benchmarks/goodput.py: the s
 from loadtest.arrivals import Schedule  # noqa: E402
 from pdserve.profile import ThreadProfile, WorkerProfile  # noqa: E402
 from pdserve.sim.cluster import Layout, simulate  # noqa: E402
+from pdserve.sim.decode_residual import DecodeResiduals, with_decode_residuals  # noqa: E402
 from pdserve.sim.overheads import Overheads  # noqa: E402
 from pdserve.sim.padded_prefill import with_padded_prefill  # noqa: E402
 from pdserve.sim.results import metrics_of  # noqa: E402
@@ -67,6 +69,8 @@ from services.engine.simulation_profile import SimulationProfile, StepTimeModel 
 from services.worker.simulation import load_profile  # noqa: E402
 
 PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
+# what the default linear profiles were fitted to: their decode residuals come from its points
+MEASURED = ROOT / "benchmarks" / "profiles" / "zen4-2core.json"
 LINEAR = {1: "sim-zen4-1thread-smollm2", 2: "sim-zen4-2core-smollm2"}
 # benchmarks/goodput.py's output, kept: the run the simulator is checked against
 SWEEP = ROOT / "benchmarks" / "recorded" / "goodput-zen4.json"
@@ -89,6 +93,8 @@ class Sweep:
     slos: dict[str, dict[str, float]]  # preset -> {"ttft", "tpot", "itl_p99"} in ms
     unloaded: dict[tuple[str, str], tuple[float, float]]  # (preset, config) -> TTFT, TPOT p50
     recorded: dict[tuple[str, str, float], tuple[float, ...]]  # (preset, config, rate) -> METRICS
+    # (preset, config, rate) -> the router's disaggregation decisions ("local:short" -> count)
+    decisions: dict[tuple[str, str, float], dict[str, int]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: Path = SWEEP) -> Sweep:
@@ -96,8 +102,12 @@ class Sweep:
 
         data = json.loads(path.read_text())
         config = data["config"]
-        unloaded, recorded = {}, {}
+        unloaded, recorded, decisions = {}, {}, {}
         for preset, result in data["presets"].items():
+            for name, by_rate in result.get("ttft_phases", {}).items():
+                for rate, phases in by_rate.items():
+                    counts = {k: int(v) for k, v in phases.get("decisions", {}).items()}
+                    decisions[(preset, name, float(rate))] = counts
             for name, u in result["unloaded"].items():
                 unloaded[(preset, name)] = (u["p50_ttft_ms"], u["p50_tpot_ms"])
             for name, rows in result["rows"].items():
@@ -112,6 +122,7 @@ class Sweep:
             {p: r["slos_ms"] for p, r in data["presets"].items()},
             unloaded,
             recorded,
+            decisions,
         )
 
 
@@ -131,11 +142,15 @@ def scaled_curve(curve: ThreadProfile, prefill: float, decode: float) -> ThreadP
     return ThreadProfile(curve.num_threads, curve.prefill_tokens, seconds, points)
 
 
-def scaled_linear(profile: SimulationProfile, prefill: float, decode: float) -> SimulationProfile:
-    """Prompt terms x ``prefill``; a one-sequence step's extra at x ``decode`` added to the base."""
+def scaled_linear(
+    profile: SimulationProfile, prefill: float, decode: float, one_step_s: float | None = None
+) -> SimulationProfile:
+    """Prompt terms x ``prefill``; a one-sequence step's extra at x ``decode`` added to the base
+    (``one_step_s``: that step's seconds at no context, the line's when not given)."""
     s = profile.step
+    one = s.base_s + s.decode_seq_s if one_step_s is None else one_step_s
     step = StepTimeModel(
-        base_s=s.base_s + (decode - 1) * (s.base_s + s.decode_seq_s),
+        base_s=s.base_s + (decode - 1) * one,
         prefill_token_s=s.prefill_token_s * prefill,
         prefill_pair_s=s.prefill_pair_s * prefill,
         decode_seq_s=s.decode_seq_s,
@@ -155,6 +170,9 @@ class Profiles:
     padded_prefill: bool = (
         True  # the engine's padded prefill attention (pdserve.sim.padded_prefill)
     )
+    # per thread count, the measured decode steps the linear profile misses
+    # (pdserve.sim.decode_residual); empty: the lines as they are
+    residuals: dict[int, DecodeResiduals] = field(default_factory=dict)
 
     @classmethod
     def load(
@@ -162,9 +180,17 @@ class Profiles:
         kind: str,
         linear_specs: tuple[str, str] = (LINEAR[1], LINEAR[2]),
         padded_prefill: bool = True,
+        decode_points: Path | None = MEASURED,
     ) -> Profiles:
         linear = {1: load_profile(linear_specs[0]), 2: load_profile(linear_specs[1])}
-        return cls(kind, WorkerProfile.load(PROFILE), linear, padded_prefill)
+        residuals = {}
+        if decode_points is not None:
+            measured = WorkerProfile.load(decode_points)
+            residuals = {
+                t: DecodeResiduals.of(measured.for_threads(t).decode, profile.step)
+                for t, profile in linear.items()
+            }
+        return cls(kind, WorkerProfile.load(PROFILE), linear, padded_prefill, residuals)
 
 
 def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float]]) -> WorkerTiming:
@@ -172,9 +198,16 @@ def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float
     a, b = scales.get(threads, (1.0, 1.0))
     budget = 256 if config == "1xcoloc" else None
     if profiles.kind == "linear":
-        linear = scaled_linear(profiles.linear[threads], a, b)
+        line = profiles.linear[threads].step
+        residuals = profiles.residuals.get(threads)
+        one = None  # a one-sequence step at no context: measured, where the points are given
+        if residuals is not None:
+            one = line.base_s + line.decode_seq_s + residuals.at(1, 0)
+        linear = scaled_linear(profiles.linear[threads], a, b, one)
         worker = timing_from_simulation_profile(linear, max_num_batched_tokens=budget or 2048)
-        return with_padded_prefill(worker) if profiles.padded_prefill else worker
+        if profiles.padded_prefill:
+            worker = with_padded_prefill(worker)
+        return worker if residuals is None else with_decode_residuals(worker, residuals)
     profile = profiles.curves
     curves = [scaled_curve(c, a, b) for c in profile.threads if c.num_threads == threads]
     return timing_from_worker_profile(replace(profile, threads=curves), threads, budget)
@@ -189,6 +222,7 @@ class Row:
     ttft_p50: float
     ttft_p90: float
     tpot_p50: float
+    decisions: dict[str, int] = field(default_factory=dict)
 
 
 Scales = dict[int, tuple[float, float]]  # threads -> (prefill x, decode x)
@@ -224,6 +258,7 @@ def run(profiles: Profiles, sweep: Sweep, key: tuple[str, str, float], cal: Cali
         s["median_ttft_ms"] or 0.0,
         s["p90_ttft_ms"] or 0.0,
         s["median_tpot_ms"] or 0.0,
+        result.decisions,
     )
 
 
@@ -312,6 +347,19 @@ def print_table(rows: Compared, markdown: bool) -> None:
         print(line if markdown else line.replace("|", " "))
 
 
+def print_decisions(rows: Compared, sweep: Sweep) -> None:
+    """Where the router computed each prompt (``local:short``, ``remote:long``, ...), in the
+    calibrated run against the router's own counts in the sweep."""
+    print("disaggregation decisions, simulated (calibrated) / recorded:")
+    for key, _, _, cal in rows:
+        recorded = sweep.decisions.get(key, {})
+        if not cal.decisions and not recorded:
+            continue
+        names = sorted(set(cal.decisions) | set(recorded))
+        cells = [f"{n} {cal.decisions.get(n, 0)}/{recorded.get(n, 0)}" for n in names]
+        print(f"  {key[0]} {key[1]} {key[2]:g}: " + ", ".join(cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print the docs' table")
@@ -329,10 +377,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time every prefill as the profiles' causal path (pdserve.sim.padded_prefill)",
     )
+    parser.add_argument(
+        "--decode-points",
+        type=Path,
+        default=MEASURED,
+        help="the measured profile the linear ones were fitted to: its decode steps correct "
+        "theirs (pdserve.sim.decode_residual)",
+    )
+    parser.add_argument(
+        "--decisions",
+        action="store_true",
+        help="also print each disaggregated row's routing decisions, simulated and recorded",
+    )
+    parser.add_argument(
+        "--no-decode-residuals",
+        action="store_true",
+        help="time decode steps as the linear profiles' lines alone",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     linear = tuple(args.linear)
-    profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill)  # type: ignore[arg-type]
+    points = None if args.no_decode_residuals else args.decode_points
+    profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points)  # type: ignore[arg-type]
     sweep = Sweep.load(args.sweep)
     cal = calibrate(profiles, sweep)
     print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
@@ -341,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  per request outside the steps: {cal.overheads.request_s * 1000:.0f} ms")
     rows = compare(profiles, sweep, cal)
     print_table(rows, args.markdown)
+    if args.decisions:
+        print_decisions(rows, sweep)
     print("median |error| over the rows (and the share of rows within 15%):")
     for name, values in relative_errors(rows).items():
         within = sum(v <= 0.15 for v in values) / len(values)
