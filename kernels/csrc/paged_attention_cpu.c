@@ -49,12 +49,15 @@ static inline const void *at(const void *base, int64_t index, int bf16) {
 /* Ask for a block's rows of this head (`count` rows of `row_bytes`, `stride_bytes` apart) ahead
  * of their use: blocks lie anywhere in the pool, so the hardware prefetcher cannot guess the next
  * one. Only this head's rows: the block's other heads are other work items' (prefetching the
- * whole block span for every head cost a sixth of the kernel's time at 64 sequences). */
+ * whole block span for every head cost a sixth of the kernel's time at 64 sequences). Into L2,
+ * not L1 (locality 2, PREFETCHT1): two blocks ahead are 64 lines in flight, more than L1 tracks
+ * misses for, so L1 prefetches were dropped or stalled the loads; into L2 the kernel took 15-17
+ * instead of 23-24 ms over a 1 GiB cache at 64 sequences of 192 tokens (Zen 4). */
 static inline void prefetch_rows(const void *start, int64_t count, int64_t stride_bytes,
                                  int64_t row_bytes) {
     for (int64_t r = 0; r < count; r++)
         for (int64_t offset = 0; offset < row_bytes; offset += 64)
-            __builtin_prefetch((const char *)start + r * stride_bytes + offset, 0, 3);
+            __builtin_prefetch((const char *)start + r * stride_bytes + offset, 0, 2);
 }
 
 /* The first `count` (1-16) lanes of `dots` to `dst`: a whole vector when all 16 (a memcpy of a
@@ -115,10 +118,12 @@ ALWAYS_INLINE const float *rows16(const void *cache, int64_t index, int64_t toke
 
 /* Where this head's rows of the block holding tokens [start, start + block_size) begin (in
  * elements), and through `rows` how many of them the context has; this head's rows of the block
- * PREFETCH_BLOCKS ahead are prefetched (and at the first block, those before it). */
-ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const int32_t *table,
-                                 int64_t head_offset, int64_t start, int64_t len, int bf16,
-                                 int64_t *rows) {
+ * PREFETCH_BLOCKS ahead are prefetched (and at the first block, those before it). Past the last
+ * block the prefetch goes on into `then`, the cache the next pass reads (NULL: none), so that
+ * pass starts with its first blocks on the way. */
+ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const void *then,
+                                 const int32_t *table, int64_t head_offset, int64_t start,
+                                 int64_t len, int bf16, int64_t *rows) {
     const int64_t bs = job->block_size, element = bf16 ? 2 : 4;
     const int64_t stride_bytes = job->token_stride * element, row_bytes = job->head_dim * element;
     *rows = len - start < bs ? len - start : bs;
@@ -127,6 +132,10 @@ ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const int32_
         if (block + ahead < used)
             prefetch_rows(at(cache, table[block + ahead] * job->block_stride + head_offset, bf16),
                           bs, stride_bytes, row_bytes);
+        else if (then != NULL && block + ahead - used < used)
+            prefetch_rows(
+                at(then, table[block + ahead - used] * job->block_stride + head_offset, bf16), bs,
+                stride_bytes, row_bytes);
     return table[block] * job->block_stride + head_offset;
 }
 
@@ -142,7 +151,8 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
     for (int64_t start = 0; start < len; start += bs) {
         int64_t rows;
         const uint16_t *block =
-            cache + block_rows(job, cache, table, head_offset, start, len, 1, &rows);
+            cache + block_rows(job, cache, job->value_cache, table, head_offset, start, len, 1,
+                                 &rows);
         for (int64_t first = 0; first < rows; first += LANES) {
             const int64_t count = rows - first < LANES ? rows - first : LANES;
             const uint16_t *keys = block + first * job->token_stride;
@@ -183,7 +193,8 @@ ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t he
     for (int64_t start = 0; start < len; start += bs) {
         int64_t rows;
         const int64_t block =
-            block_rows(job, job->value_cache, table, head_offset, start, len, bf16, &rows);
+            block_rows(job, job->value_cache, NULL, table, head_offset, start, len, bf16,
+                           &rows);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t row = block + r * job->token_stride;
             for (int64_t c = 0; c < chunks; c++) {
@@ -227,7 +238,8 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
         for (int64_t start = 0; start < len; start += bs) {
             int64_t rows;
             const int64_t block =
-                block_rows(job, job->key_cache, table, head_offset, start, len, bf16, &rows);
+                block_rows(job, job->key_cache, job->value_cache, table, head_offset, start,
+                           len, bf16, &rows);
             for (int64_t first = 0; first < rows; first += LANES) {
                 const int64_t count = rows - first < LANES ? rows - first : LANES;
                 int64_t stride;
@@ -267,7 +279,8 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
     for (int64_t start = 0; start < len; start += bs) {
         int64_t rows;
         const int64_t block =
-            block_rows(job, job->value_cache, table, head_offset, start, len, bf16, &rows);
+            block_rows(job, job->value_cache, NULL, table, head_offset, start, len, bf16,
+                           &rows);
         for (int64_t first = 0; first < rows; first += LANES) {
             const int64_t count = rows - first < LANES ? rows - first : LANES;
             int64_t stride;
