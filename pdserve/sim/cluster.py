@@ -25,6 +25,9 @@ What each part does, as the real one does:
   at the decode worker's next step boundary.
   A handle not taken within the lease is freed and the decode worker recomputes the prompt
   (the real decode worker renews the lease while it waits for room: ``lease_renewed``).
+- **A shared host** (``corun``, off by default): all the workers on one host, as the recorded
+  sweep's 2-core machine runs them; a step started while another worker is inside a step takes
+  the measured co-run factor (:mod:`pdserve.sim.corun`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pdserve.sim.corun import CoRun
 from pdserve.sim.overheads import Overheads
 from pdserve.sim.timing import WorkerTiming
 from pdserve.sim.trace import Trace
@@ -120,7 +124,9 @@ class SimResult:
 
 class Simulation:
     """One run of ``trace`` on ``layout``; ``timings`` per role (a role missing: ``timing``);
-    ``overheads``: the costs outside the steps (:mod:`pdserve.sim.overheads`; none by default)."""
+    ``overheads``: the costs outside the steps (:mod:`pdserve.sim.overheads`; none by default);
+    ``corun``: the workers share one host, and its co-run factors (:mod:`pdserve.sim.corun`;
+    none by default: each worker on a host of its own)."""
 
     def __init__(
         self,
@@ -129,9 +135,11 @@ class Simulation:
         timing: WorkerTiming,
         timings: dict[str, WorkerTiming] | None = None,
         overheads: Overheads | None = None,
+        corun: CoRun | None = None,
     ):
         self.trace, self.layout = trace, layout
         self.overheads = overheads or Overheads()
+        self.corun = corun or CoRun()
         roles = {
             "prefill": layout.num_prefill,
             "decode": layout.num_decode,
@@ -263,8 +271,10 @@ class Simulation:
         plan = worker.plan_step()
         if plan.is_empty:
             return  # idle until a pull ends, blocks are freed or a request arrives
-        self.plans[(worker.role, worker.worker_id)] = plan
-        self.push(now + worker.step_seconds(plan), STEP_END, worker)
+        key = (worker.role, worker.worker_id)
+        factor = self.corun.factor(plan, (p for k, p in self.plans.items() if k != key))
+        self.plans[key] = plan
+        self.push(now + worker.step_seconds(plan) * factor, STEP_END, worker)
 
     def end_step(self, worker: SimWorker, now: float) -> None:
         plan = self.plans.pop((worker.role, worker.worker_id))
@@ -346,10 +356,11 @@ def simulate(
     timing: WorkerTiming,
     timings: dict[str, WorkerTiming] | None = None,
     overheads: Overheads | None = None,
+    corun: CoRun | None = None,
 ) -> SimResult:
     """Run ``trace`` on ``layout`` (see :class:`Simulation`)."""
     if not trace.requests:
         raise ValueError("an empty trace")
     if not all(math.isfinite(r.arrival_s) for r in trace.requests):
         raise ValueError("a trace needs finite arrival times")
-    return Simulation(trace, layout, timing, timings, overheads).run()
+    return Simulation(trace, layout, timing, timings, overheads, corun).run()
