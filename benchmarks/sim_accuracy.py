@@ -32,7 +32,12 @@ Two columns of predictions each:
 
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
-        [--decode-points MEASURED_PROFILE | --no-decode-residuals]
+        [--decode-points MEASURED_PROFILE | --no-decode-residuals] [--corun FILE | --no-corun]
+
+Both workers of ``disagg``, ``disagg-cond`` and ``2xcoloc`` share the sweep's 2-core machine: a
+step started while the other worker computes takes the co-run factor measured by
+``benchmarks/corun_slowdown.py`` (``--corun``, default ``benchmarks/profiles/zen4-corun.json``;
+``pdserve.sim.corun``); ``--no-corun`` times every step as if the other core were idle.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from goodput import preset_workload  # noqa: E402  (benchmarks/goodput.py: the s
 from loadtest.arrivals import Schedule  # noqa: E402
 from pdserve.profile import ThreadProfile, WorkerProfile  # noqa: E402
 from pdserve.sim.cluster import Layout, simulate  # noqa: E402
+from pdserve.sim.corun import CoRun  # noqa: E402
 from pdserve.sim.decode_residual import DecodeResiduals, with_decode_residuals  # noqa: E402
 from pdserve.sim.overheads import Overheads  # noqa: E402
 from pdserve.sim.padded_prefill import with_padded_prefill  # noqa: E402
@@ -71,6 +77,8 @@ from services.worker.simulation import load_profile  # noqa: E402
 PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
 # what the default linear profiles were fitted to: their decode residuals come from its points
 MEASURED = ROOT / "benchmarks" / "profiles" / "zen4-2core.json"
+# benchmarks/corun_slowdown.py on the sweep's machine: steps beside a computing neighbour
+CORUN = ROOT / "benchmarks" / "profiles" / "zen4-corun.json"
 LINEAR = {1: "sim-zen4-1thread-smollm2", 2: "sim-zen4-2core-smollm2"}
 # benchmarks/goodput.py's output, kept: the run the simulator is checked against
 SWEEP = ROOT / "benchmarks" / "recorded" / "goodput-zen4.json"
@@ -173,6 +181,7 @@ class Profiles:
     # per thread count, the measured decode steps the linear profile misses
     # (pdserve.sim.decode_residual); empty: the lines as they are
     residuals: dict[int, DecodeResiduals] = field(default_factory=dict)
+    corun: CoRun = CoRun()  # the sweep's workers share one host (pdserve.sim.corun)
 
     @classmethod
     def load(
@@ -181,6 +190,7 @@ class Profiles:
         linear_specs: tuple[str, str] = (LINEAR[1], LINEAR[2]),
         padded_prefill: bool = True,
         decode_points: Path | None = MEASURED,
+        corun: Path | None = CORUN,
     ) -> Profiles:
         linear = {1: load_profile(linear_specs[0]), 2: load_profile(linear_specs[1])}
         residuals = {}
@@ -190,7 +200,14 @@ class Profiles:
                 t: DecodeResiduals.of(measured.for_threads(t).decode, profile.step)
                 for t, profile in linear.items()
             }
-        return cls(kind, WorkerProfile.load(PROFILE), linear, padded_prefill, residuals)
+        return cls(
+            kind,
+            WorkerProfile.load(PROFILE),
+            linear,
+            padded_prefill,
+            residuals,
+            CoRun() if corun is None else CoRun.load(corun),
+        )
 
 
 def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float]]) -> WorkerTiming:
@@ -247,7 +264,7 @@ def run(profiles: Profiles, sweep: Sweep, key: tuple[str, str, float], cal: Cali
     )
     trace = trace_from_samples(samples, Schedule(rate=rate), seed=0)
     layout, worker = CONFIGS[config][0], timing(profiles, config, cal.scales)
-    result = simulate(trace, layout, worker, overheads=cal.overheads)
+    result = simulate(trace, layout, worker, overheads=cal.overheads, corun=profiles.corun)
     m = metrics_of(trace, result, sweep.slos[preset])
     s = m.stats
     return Row(
@@ -268,7 +285,8 @@ def unloaded(
     """The sweep's baseline: 3 requests (seed 1, each kind of mixed) one at a time."""
     samples = preset_workload(preset, 3, sweep.input_scale, sweep.output_scale, 1, even=True)
     trace = trace_from_samples(samples, Schedule(rate=1e-3, burstiness=float("inf")), seed=1)
-    m = metrics_of(trace, simulate(trace, CONFIGS[config][0], timing(profiles, config, scales)))
+    worker = timing(profiles, config, scales)
+    m = metrics_of(trace, simulate(trace, CONFIGS[config][0], worker, corun=profiles.corun))
     return m.stats["median_ttft_ms"] or 0.0, m.stats["median_tpot_ms"] or 0.0
 
 
@@ -394,17 +412,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time decode steps as the linear profiles' lines alone",
     )
+    parser.add_argument(
+        "--corun",
+        type=Path,
+        default=CORUN,
+        help="co-run factors (benchmarks/corun_slowdown.py) for steps beside a busy worker",
+    )
+    parser.add_argument(
+        "--no-corun", action="store_true", help="time every step as if the other core were idle"
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     linear = tuple(args.linear)
     points = None if args.no_decode_residuals else args.decode_points
-    profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points)  # type: ignore[arg-type]
+    corun = None if args.no_corun else args.corun
+    profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points, corun)  # type: ignore[arg-type]
     sweep = Sweep.load(args.sweep)
     cal = calibrate(profiles, sweep)
     print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
     for threads, (a, b) in sorted(cal.scales.items()):
         print(f"  {threads} thread(s): prefill x{a:.2f}, decode x{b:.2f}")
     print(f"  per request outside the steps: {cal.overheads.request_s * 1000:.0f} ms")
+    print(f"co-run factors (a step beside a busy worker): {profiles.corun}")
     rows = compare(profiles, sweep, cal)
     print_table(rows, args.markdown)
     if args.decisions:
