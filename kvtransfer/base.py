@@ -48,6 +48,7 @@ import torch
 from kernels.openmp import serial_thread
 from kvtransfer.faults import KVFaults
 from kvtransfer.metrics import TransferMetrics
+from kvtransfer.progress import ProgressSignal
 
 FAILURE_REASONS = (
     "refused",
@@ -193,7 +194,12 @@ class StreamedPull:
 
 @runtime_checkable
 class StreamedSource(BlockSource, Protocol):
-    """A BlockSource whose blocks may still be computed when a pull comes (streamed KV)."""
+    """A BlockSource whose blocks may still be computed when a pull comes (streamed KV).
+
+    ``progress`` is announced at every change that can make a pull's blocks ready (the engine's
+    step done, the final answer known, a pin ended): a waiting pull looks again then."""
+
+    progress: ProgressSignal
 
     def ready_count(
         self, request_id: str, block_ids: list[int]

@@ -16,9 +16,11 @@ transports and the services only ask this class::
 A streamed pin (``pin(..., progress=...)``) is made when the prompt is admitted, while it is still
 being computed: ``ready_count`` says how many of a pull's blocks are computed so far, and
 ``finish`` adds what the prefill ends with (the first token), which the pull completing the
-prompt carries. A whole pin is made after the first token. A streamed pin dropped before its
-prefill finished makes the engine abort that prefill (the owner of the engine frees the blocks
-of a request still computing by aborting it), so its PrefillStream ends at once.
+prompt carries. Whoever advances the prompts calls ``progressed()`` after each step; with
+``finish`` and every pin ended it announces ``progress``, on which waiting pulls look again.
+A whole pin is made after the first token. A streamed pin dropped before its prefill finished
+makes the engine abort that prefill (the owner of the engine frees the blocks of a request
+still computing by aborting it), so its PrefillStream ends at once.
 
 A transfer reads the blocks inside ``reading()``, which counts it as a reader: a release or an
 expiry that comes while a transfer reads only marks the pin as going (no new transfer may start
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from kvtransfer.base import block_checksums
+from kvtransfer.progress import ProgressSignal
 
 
 def pin_key(request_id: str) -> str:
@@ -80,6 +83,7 @@ class TensorBlockSource:
         self._on_unpin = on_unpin
         self._pins: dict[str, _Pin] = {}
         self._lock = threading.Lock()
+        self.progress = ProgressSignal()  # announced when a pull's blocks may have become ready
 
     def pin(
         self,
@@ -113,6 +117,11 @@ class TensorBlockSource:
             pin = self._pins.get(key)
             if pin is not None:
                 pin.final = final
+        self.progress.announce()
+
+    def progressed(self) -> None:
+        """The engine finished a step: streamed pins may have more blocks computed."""
+        self.progress.announce()
 
     def ready_count(self, key: str, block_ids: list[int]) -> tuple[int, dict[str, Any] | None]:
         """How many leading ``block_ids`` are computed, and the prefill's final answer when
@@ -175,6 +184,8 @@ class TensorBlockSource:
                     dropped.append(pin.request_id)
         for request_id in dropped:
             self._unpinned(request_id)
+        if ended:  # a pull waiting on one of them is refused now, not at its re-check
+            self.progress.announce()
         return ended
 
     @contextmanager

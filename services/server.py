@@ -275,6 +275,7 @@ class Worker:
                 loop.call_soon_threadsafe(self._free_pinned, request_id)
 
             leases = TensorBlockSource(self.engine.kv_cache, cfg.lease_seconds, on_unpin=on_unpin)
+            self.async_engine.on_step(leases.progressed)  # streamed pulls wait for steps
             self.metrics.watch_pins(lambda: leases.num_pins, lambda: leases.num_readers)
             options: dict[str, Any] = {
                 "metrics": self.transfer_metrics,

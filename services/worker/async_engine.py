@@ -69,6 +69,12 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._stats = engine.stats()
         self.num_steps = 0
+        self._step_listeners: list[Callable[[], None]] = []
+
+    def on_step(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` on the event loop after every step (the prompts it advanced are
+        visible then): the prefill worker's pins announce it to the pulls waiting for blocks."""
+        self._step_listeners.append(listener)
 
     @classmethod
     def build(cls, make_engine: Callable[[], LLMEngine]) -> AsyncEngine:
@@ -289,6 +295,8 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting the running requests")
                 outputs, admitted = self._abort_all(), 0
             self.num_steps += 1
+            for listener in self._step_listeners:
+                listener()
             for output in outputs:
                 self._put(output)
             self._stats = self.engine.stats()

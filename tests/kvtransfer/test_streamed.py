@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import time
 
 import pytest
 import torch
 
 from kvtransfer import KVLayout, TensorBlockSource, available_transports, make_client, make_server
 from kvtransfer.base import TransferError
+from kvtransfer.streaming import STREAM_RECHECK_SECONDS
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
 TOKEN = "t0k3n"
@@ -54,6 +56,7 @@ def test_a_streamed_pull_gets_every_block_as_it_is_computed(transport: str) -> N
             pull = asyncio.ensure_future(client.pull_streamed(address, "req", wanted, LAYOUT, 10.0))
             for tokens in range(0, NUM_TOKENS + 1, 2):  # the prefill, two tokens at a time
                 computed[0] = tokens
+                source.progressed()  # as the prefill worker does after each step
                 await asyncio.sleep(0.05)
             assert not pull.done(), "the last block waits for the final answer"
             source.finish("req", {"first_token": 42})
@@ -132,6 +135,88 @@ def test_a_streamed_pull_whose_prefill_stalls_ends_at_its_deadline() -> None:
             assert info.value.reason == "timeout"
             assert asyncio.get_running_loop().time() - start < 3.0
             assert source.is_pinned("req")  # the pin is the owner's, untouched by the client
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())
+
+
+class _CountedSource(TensorBlockSource):
+    """Records when each pull looked at its blocks."""
+
+    looks: list[float]
+
+    def ready_count(self, key: str, block_ids: list[int]) -> tuple[int, dict | None]:
+        self.looks.append(time.monotonic())
+        return super().ready_count(key, block_ids)
+
+
+def test_a_waiting_pull_looks_again_when_a_step_is_announced_not_by_polling() -> None:
+    """While the prefill computes, a waiting pull looks at its blocks only when the source
+    announces progress (a step, the final answer) or at the re-check bound: not every 2 ms, which
+    took the prefill worker's core from its step. An announced step is seen at once."""
+    cache = torch.randn(12, *LAYOUT.block_shape)
+    computed = [0]
+
+    async def run() -> None:
+        source = _CountedSource(cache, lease_seconds=5)
+        source.looks = []
+        source.pin("req", PROMPT_BLOCKS, progress=lambda: computed[0], num_tokens=NUM_TOKENS)
+        server = make_server("tcp", source, LAYOUT, TOKEN)
+        address = await server.start("127.0.0.1")
+        client = make_client("tcp", token=TOKEN)
+        try:
+            pull = asyncio.ensure_future(
+                client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0)
+            )
+            await asyncio.sleep(0.6)  # nothing computed: the pull waits
+            idle_looks = len(source.looks)
+            assert 1 <= idle_looks <= 1 + 0.6 / STREAM_RECHECK_SECONDS + 1, source.looks
+            computed[0] = 8  # two blocks
+            announced = time.monotonic()
+            source.progressed()
+            await asyncio.sleep(0.1)
+            assert len(source.looks) > idle_looks
+            assert source.looks[idle_looks] - announced < 0.05  # seen at once, not re-checked
+            computed[0] = NUM_TOKENS
+            source.progressed()
+            await asyncio.sleep(0.1)
+            finished = time.monotonic()
+            source.finish("req", {"first_token": 3})
+            result = await asyncio.wait_for(pull, 10)
+            assert time.monotonic() - finished < 0.1
+            assert result.final == {"first_token": 3} and result.num_parts >= 2
+            assert torch.equal(result.blocks, cache[torch.tensor(PROMPT_BLOCKS)])
+            assert source.progress.num_waiting == 0
+        finally:
+            await client.close()
+            await server.stop()
+
+    asyncio.run(run())
+
+
+def test_a_pin_released_while_its_pull_waits_refuses_the_pull_at_once() -> None:
+    """The release announces progress: the waiting pull is refused then, not at its re-check."""
+    cache = torch.randn(12, *LAYOUT.block_shape)
+
+    async def run() -> None:
+        source = TensorBlockSource(cache, lease_seconds=5)
+        source.pin("req", PROMPT_BLOCKS, progress=lambda: 0, num_tokens=NUM_TOKENS)
+        server = make_server("tcp", source, LAYOUT, TOKEN)
+        address = await server.start("127.0.0.1")
+        client = make_client("tcp", token=TOKEN)
+        try:
+            pull = asyncio.ensure_future(
+                client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0)
+            )
+            await asyncio.sleep(0.1)
+            released = time.monotonic()
+            assert source.release("req")
+            with pytest.raises(TransferError) as info:
+                await asyncio.wait_for(pull, 10)
+            assert info.value.reason == "unknown_request"
+            assert time.monotonic() - released < STREAM_RECHECK_SECONDS / 2
         finally:
             await client.close()
             await server.stop()
