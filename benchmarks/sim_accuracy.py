@@ -33,6 +33,11 @@ Two columns of predictions each:
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
         [--decode-points MEASURED_PROFILE | --no-decode-residuals] [--corun FILE | --no-corun]
+        [--per-deployment] [--decisions]
+
+``--per-deployment`` calibrates each configuration on its own unloaded rows instead of all of
+them per thread count: ``goodput.py`` starts each configuration's workers once, and a process's
+speed differs from one start to the next on the sweep's VM (docs/simulator.md).
 
 Both workers of ``disagg``, ``disagg-cond`` and ``2xcoloc`` share the sweep's 2-core machine: a
 step started while the other worker computes takes the co-run factor measured by
@@ -43,6 +48,7 @@ step started while the other worker computes takes the co-run factor measured by
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -327,10 +333,36 @@ def error(predicted: float, measured: float) -> str:
 Compared = list[tuple[tuple[str, str, float], tuple[float, ...], Row, Row]]
 
 
-def compare(profiles: Profiles, sweep: Sweep, cal: Calibration) -> Compared:
-    """Per recorded row: its key, the recorded figures, the raw and the calibrated prediction."""
+def calibrate_per_deployment(profiles: Profiles, sweep: Sweep) -> dict[str, Calibration]:
+    """One calibration per configuration, from its own unloaded rows only. ``goodput.py``
+    starts each configuration's workers once and runs every preset on them, and on this VM a
+    process's speed varies from one start to the next (the same 3 unloaded chatbot requests on
+    1P+1D: TTFT p50 107-159 ms over 11 starts): each deployment's unloaded rows measure its
+    own processes."""
+    configs = sorted({config for _, config in sweep.unloaded})
+    return {
+        config: calibrate(
+            profiles,
+            dataclasses.replace(
+                sweep, unloaded={k: v for k, v in sweep.unloaded.items() if k[1] == config}
+            ),
+        )
+        for config in configs
+    }
+
+
+def compare(
+    profiles: Profiles, sweep: Sweep, cal: Calibration | dict[str, Calibration]
+) -> Compared:
+    """Per recorded row: its key, the recorded figures, the raw and the calibrated prediction
+    (``cal``: one calibration, or one per configuration)."""
     return [
-        (key, recorded, run(profiles, sweep, key, RAW), run(profiles, sweep, key, cal))
+        (
+            key,
+            recorded,
+            run(profiles, sweep, key, RAW),
+            run(profiles, sweep, key, cal[key[1]] if isinstance(cal, dict) else cal),
+        )
         for key, recorded in sweep.recorded.items()
     ]
 
@@ -421,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-corun", action="store_true", help="time every step as if the other core were idle"
     )
+    parser.add_argument(
+        "--per-deployment",
+        action="store_true",
+        help="calibrate each configuration on its own unloaded rows (its own worker processes)",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     linear = tuple(args.linear)
@@ -428,11 +465,20 @@ def main(argv: list[str] | None = None) -> int:
     corun = None if args.no_corun else args.corun
     profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points, corun)  # type: ignore[arg-type]
     sweep = Sweep.load(args.sweep)
-    cal = calibrate(profiles, sweep)
-    print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
-    for threads, (a, b) in sorted(cal.scales.items()):
-        print(f"  {threads} thread(s): prefill x{a:.2f}, decode x{b:.2f}")
-    print(f"  per request outside the steps: {cal.overheads.request_s * 1000:.0f} ms")
+    cal: Calibration | dict[str, Calibration]
+    if args.per_deployment:
+        cal = calibrate_per_deployment(profiles, sweep)
+        print("calibration per deployment (prefill x, decode x; per request outside the steps),")
+        print("each from its own unloaded rows only:")
+        for config, c in cal.items():
+            (a, b), hop = next(iter(c.scales.values())), c.overheads.request_s * 1000
+            print(f"  {config:12s} prefill x{a:.2f}, decode x{b:.2f}, {hop:.0f} ms")
+    else:
+        cal = calibrate(profiles, sweep)
+        print("calibration (prefill x, decode x) per thread count, from the unloaded rows only:")
+        for threads, (a, b) in sorted(cal.scales.items()):
+            print(f"  {threads} thread(s): prefill x{a:.2f}, decode x{b:.2f}")
+        print(f"  per request outside the steps: {cal.overheads.request_s * 1000:.0f} ms")
     print(f"co-run factors (a step beside a busy worker): {profiles.corun}")
     rows = compare(profiles, sweep, cal)
     print_table(rows, args.markdown)
@@ -444,7 +490,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:14s} {statistics.median(values) * 100:5.1f}%   within 15%: {within:.0%}")
     print("calibrated, per configuration: median |error| (share within 15%)")
     for config in CONFIGS:
-        errors = relative_errors([row for row in rows if row[0][1] == config])
+        of_config = [row for row in rows if row[0][1] == config]
+        if not of_config:  # a sweep of some configurations only
+            continue
+        errors = relative_errors(of_config)
         cells = [
             f"{m} {statistics.median(v) * 100:.0f}% ({sum(x <= 0.15 for x in v) / len(v):.0%})"
             for m in METRICS

@@ -4,6 +4,7 @@ disaggregation decisions, block pools and leases, the recorded goodput sweep, an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -288,6 +289,30 @@ def test_the_recorded_goodput_sweep_within_bounds() -> None:
     assert sum(v <= 0.15 for v in values) / len(values) >= 0.8
     for key, _, _, cal_row in rows:
         assert cal_row.decisions == sweep.decisions.get(key, {}), key
+
+
+def test_a_deployment_is_calibrated_on_its_own_unloaded_rows_only() -> None:
+    """``sim_accuracy.py --per-deployment``: each configuration's calibration reads that
+    configuration's unloaded rows and nothing else (a change to another configuration's, or to
+    any loaded row, leaves it as it was); a slower unloaded row gives a larger scale."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_accuracy
+
+    profiles, sweep = sim_accuracy.Profiles.load("linear"), sim_accuracy.Sweep.load()
+    cals = sim_accuracy.calibrate_per_deployment(profiles, sweep)
+    assert set(cals) == {"disagg", "disagg-cond", "2xcoloc", "1xcoloc"}
+    slower = {
+        key: (ttft * 1.5, tpot * 1.5) if key[1] == "2xcoloc" else (ttft, tpot)
+        for key, (ttft, tpot) in sweep.unloaded.items()
+    }
+    changed = dataclasses.replace(sweep, unloaded=slower, recorded={})
+    again = sim_accuracy.calibrate_per_deployment(profiles, changed)
+    for config in ("disagg", "disagg-cond", "1xcoloc"):
+        assert again[config] == cals[config], config
+    (prefill, decode), (prefill_slow, decode_slow) = (
+        next(iter(c.scales.values())) for c in (cals["2xcoloc"], again["2xcoloc"])
+    )
+    assert decode_slow == pytest.approx(1.5 * decode) and prefill_slow > prefill
 
 
 def test_a_thousand_workers_in_seconds() -> None:
