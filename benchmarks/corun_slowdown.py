@@ -40,7 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
+from machine import (
+    describe_read_scaling,
+    machine_info,
+)  # benchmarks/machine.py (this folder is on sys.path)
 
 TEXT = (
     "Paged attention stores the key and value cache of every sequence in fixed-size blocks, "
@@ -245,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     if not {0, 1} <= os.sched_getaffinity(0):
         raise SystemExit("needs cores 0 and 1")
     command = "python " + shlex.join(sys.argv)
-    machine = machine_info(1)
+    machine = machine_info(1, probe_cores=True)
     print(f"$ {command}\nmachine: {machine['cpu']}, load avg {machine['load_avg_1m_at_start']}")
+    print(describe_read_scaling(machine["read_scaling"]))
     os.sched_setaffinity(0, {0})
     times = measure(args)
     summary = summarize(times)

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from machine import (  # benchmarks/machine.py (this folder is on sys.path)
+    describe_read_scaling,
     machine_info,
     median_seconds,
 )
@@ -197,12 +198,13 @@ def main() -> int:
     args = parser.parse_args()
     config = build(EngineConfig, args)
     torch.set_num_threads(args.threads)
-    info = machine_info(args.threads)
+    info = machine_info(args.threads, probe_cores=True)
     print(f"$ python {shlex.join(sys.argv)}")
     print(
         f"machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']} "
         f"({args.threads} threads), load avg {info['load_avg_1m_at_start']}"
     )
+    print(describe_read_scaling(info["read_scaling"]))
     kernel = cpu_ops.load(config.cache_path / "kernels", config.cpu_kernels_cc)
     if kernel is None:
         print("the compiled kernel is unavailable here (no C compiler?): nothing to compare")

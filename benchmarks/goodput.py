@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import interference  # noqa: E402  (benchmarks/interference.py)
 import ttft_phases  # noqa: E402  (benchmarks/ttft_phases.py)
-from machine import machine_info  # noqa: E402  (benchmarks/machine.py)
+from machine import describe_read_scaling, machine_info  # noqa: E402  (benchmarks/machine.py)
 
 from loadtest.arrivals import Schedule  # noqa: E402
 from loadtest.client import ClientConfig, RunOutput, run  # noqa: E402
@@ -577,13 +577,14 @@ def describe_workload(plan: Plan, args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_info(1)
+    machine = machine_info(1, probe_cores=True)
     command = "python " + shlex.join(sys.argv)
     print(f"$ {command}")
     print(
         f"machine: {machine['cpu']}, {machine['cores']} cores ({machine['usable_cores']} usable, "
         f"load avg {machine['load_avg_1m_at_start']}), python {machine['python']}"
     )
+    print(describe_read_scaling(machine["read_scaling"]))
     plan = make_plan(args)
     print(describe_workload(plan, args))
     started = time.monotonic()

@@ -33,7 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
+from machine import (
+    describe_read_scaling,
+    machine_info,
+)  # benchmarks/machine.py (this folder is on sys.path)
 from openai import OpenAI
 from tqdm import tqdm
 
@@ -171,8 +174,9 @@ def summary(samples: dict[str, list[float]]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = "python " + shlex.join(sys.argv)
-    machine = machine_info(default_num_threads())
+    machine = machine_info(default_num_threads(), probe_cores=True)
     print(f"$ {command}\nmachine: {machine['cpu']}, {machine['cores']} cores")
+    print(describe_read_scaling(machine["read_scaling"]))
     port = free_port()
     up = start_system(port)
     try:

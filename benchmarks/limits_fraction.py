@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_info  # benchmarks/machine.py (on sys.path)
+from machine import describe_read_scaling, machine_info  # benchmarks/machine.py (on sys.path)
 from machine_limits import (
     DTYPES,
     HEAD_PARAMS,
@@ -145,12 +145,13 @@ def main() -> int:
     args = p.parse_args()
     threads = default_num_threads()
     torch.set_num_threads(threads)
-    machine = machine_info(threads, avx512_bf16=native_matmul(torch.bfloat16))
+    machine = machine_info(threads, True, avx512_bf16=native_matmul(torch.bfloat16))
     command = "python " + shlex.join(sys.argv)
     print(f"$ {command}")
     print(
         f"machine: {machine['cpu']}, {threads} threads, bf16 dot products: {machine['avx512_bf16']}"
     )
+    print(describe_read_scaling(machine["read_scaling"]))
     kernels = cpu_ops.load(DEFAULT_CACHE_DIR / "kernels")
     dtype = DTYPES[args.dtype]
     with tqdm(total=5, desc="measuring", file=sys.stderr) as bar:

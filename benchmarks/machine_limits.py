@@ -43,7 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_info, median_seconds  # benchmarks/machine.py (on sys.path)
+from machine import (
+    describe_read_scaling,
+    machine_info,
+    median_seconds,
+)  # benchmarks/machine.py (on sys.path)
 from torch import nn
 from tqdm import tqdm
 
@@ -176,13 +180,14 @@ def main() -> int:
     args = p.parse_args()
     threads = default_num_threads()
     torch.set_num_threads(threads)
-    machine = machine_info(threads, avx512_bf16=native_matmul(torch.bfloat16))
+    machine = machine_info(threads, True, avx512_bf16=native_matmul(torch.bfloat16))
     command = "python " + shlex.join(sys.argv)
     print(f"$ {command}")
     print(
         f"machine: {machine['cpu']}, {threads} threads, native bf16 dot products: "
         f"{machine['avx512_bf16']}"
     )
+    print(describe_read_scaling(machine["read_scaling"]))
     kernels = cpu_ops.load(DEFAULT_CACHE_DIR / "kernels")
     tables = engine_tables(kernels)  # before timing: a first measurement must not overlap it
     weight_bytes = 2 * (LAYER_PARAMS + HEAD_PARAMS)

@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-from machine import machine_info  # noqa: E402
+from machine import describe_read_scaling, machine_info  # noqa: E402
 from peer_runner import WORKLOADS  # noqa: E402
 
 from services.engine.model.packed_linear import native_matmul  # noqa: E402
@@ -469,11 +469,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    machine = machine_info(1)
+    machine = machine_info(1, probe_cores=True)
     command = "python " + shlex.join(sys.argv)
     print(f"$ {command}")
     load = machine["load_avg_1m_at_start"]
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, load avg {load}")
+    print(describe_read_scaling(machine["read_scaling"]))
     peer = ensure_peer(args.peer_venv)
     args.model = model_dir()
     args.out_dir.mkdir(parents=True, exist_ok=True)

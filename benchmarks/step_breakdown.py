@@ -38,7 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_info  # benchmarks/machine.py (this folder is on sys.path)
+from machine import (
+    describe_read_scaling,
+    machine_info,
+)  # benchmarks/machine.py (this folder is on sys.path)
 from tqdm import tqdm
 
 from services.engine.config import default_num_threads
@@ -320,8 +323,9 @@ def print_table(results: dict[int, dict[str, dict[str, Any]]]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    machine = machine_info(args.threads)
+    machine = machine_info(args.threads, probe_cores=True)
     command = print_header(args, machine)
+    print(describe_read_scaling(machine["read_scaling"]))
     print("loading model ...", flush=True)
     engine = load_engine(args)
     timers = install_timers(engine)

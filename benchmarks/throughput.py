@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import (
-    machine_info as shared_machine_info,  # benchmarks/machine.py (this folder is on sys.path)
-)
+from machine import describe_read_scaling  # benchmarks/machine.py (this folder is on sys.path)
+from machine import machine_info as shared_machine_info
 from tqdm import tqdm
 
 from services.engine.config import default_num_threads
@@ -166,7 +165,7 @@ def machine_info(threads: int, device: str) -> dict[str, Any]:
     extra: dict[str, Any] = {"transformers": transformers.__version__}
     if device.startswith("cuda"):
         extra["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return shared_machine_info(threads, **extra)
+    return shared_machine_info(threads, probe_cores=True, **extra)
 
 
 def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
@@ -179,6 +178,7 @@ def print_header(args: argparse.Namespace, machine: dict[str, Any]) -> str:
         f"transformers {machine['transformers']}, python {machine['python']}"
         + (f", GPU {machine['gpu']}" if "gpu" in machine else "")
     )
+    print(describe_read_scaling(machine["read_scaling"]))
     print(
         f"model: {args.model or 'SmolLM2-135M-Instruct (default GGUF)'}, {args.dtype} on "
         f"{args.device}, greedy; "
