@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import describe_read_scaling, machine_info  # benchmarks/machine.py (on sys.path)
+from machine import (
+    describe_read_scaling,
+    machine_info,
+    placement_changed,
+    read_scaling,
+)  # benchmarks/machine.py (on sys.path)
 from machine_limits import (
     DTYPES,
     HEAD_PARAMS,
@@ -45,6 +50,7 @@ from machine_limits import (
     LAYERS,
     SHAPES,
     gemm_gflops,
+    kernel_read_gib_s,
     read_gib_s,
 )
 from tqdm import tqdm
@@ -66,7 +72,8 @@ def prefill_flops(tokens: int) -> float:
 def measure_limits(dtype: torch.dtype, kernels: Any, repeats: int) -> dict[str, float]:
     """Read bandwidth over the weights' bytes, the best GEMM GFLOP/s at M=64 and M=2048."""
     weight_bytes = torch.empty(0, dtype=dtype).element_size() * (LAYER_PARAMS + HEAD_PARAMS)
-    limits = {"read_gib_s": read_gib_s(weight_bytes, repeats)}
+    summed = read_gib_s(weight_bytes, repeats)
+    limits = {"read_gib_s": max(summed, kernel_read_gib_s(weight_bytes, kernels, repeats) or 0.0)}
     for rows in (64, PREFILL_TOKENS):
         rates = [
             gemm_gflops(rows, DTYPES[kind_dtype], [path] * len(SHAPES), kernels, repeats)
@@ -166,6 +173,14 @@ def main() -> int:
         bar.update(1)
         after = measure_limits(dtype, kernels, 2 * args.repeats)
         bar.update(1)
+    scaling_after = read_scaling()
+    print(describe_read_scaling(scaling_after) + " (after the engine)")
+    if placement_changed(machine["read_scaling"], scaling_after):
+        print(
+            "WARNING: the host moved this VM's cores during the run (what the other cores add "
+            "changed by more than half): limits and engine figures may come from different "
+            "placements (docs/benchmarks.md, 'The VM's two cores are sometimes one')"
+        )
     best = {key: max(before[key], after[key]) for key in before}
     flops_per_token = 2 * (LAYER_PARAMS + HEAD_PARAMS)
     limits = {
@@ -215,6 +230,7 @@ def main() -> int:
     path = args.out_dir / "limits_fraction.json"
     data = {"command": command, "machine": machine, "dtype": args.dtype, "limits_before": before}
     data |= {"limits_after": after, "rows": rows, "prefill_seconds": prefill_s}
+    data["read_scaling_after"] = scaling_after
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"saved {path}")
     return 0

@@ -108,6 +108,15 @@ def describe_read_scaling(scaling: dict[str, float] | None) -> str:
     )
 
 
+def placement_changed(before: dict[str, float] | None, after: dict[str, float] | None) -> bool:
+    """Whether what the other cores add moved by more than half between two probes (the host
+    put the vCPUs on other physical cores meanwhile, :func:`read_scaling`)."""
+    if before is None or after is None:
+        return False
+    low, high = sorted((before["other_cores_add"], after["other_cores_add"]))
+    return high - low > 0.5 * max(high, 0.1)
+
+
 def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
     """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
     for _ in range(warmup):
