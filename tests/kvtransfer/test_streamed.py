@@ -6,15 +6,17 @@ in several parts, and the final answer with the last one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
 from kvtransfer import KVLayout, TensorBlockSource, available_transports, make_client, make_server
-from kvtransfer.base import TransferError
+from kvtransfer.base import KVTransferClient, TransferError
 from kvtransfer.streaming import STREAM_RECHECK_SECONDS
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=4)
@@ -37,6 +39,19 @@ def kv_cache(transport: str) -> tuple[torch.Tensor, str | None]:
     cache = torch.from_file(path, shared=True, size=numel, dtype=torch.float32).view(shape)
     cache.copy_(torch.randn(shape))
     return cache, path
+
+
+@contextlib.asynccontextmanager
+async def tcp_served(source: TensorBlockSource) -> AsyncIterator[tuple[KVTransferClient, str]]:
+    """A tcp KV server of ``source`` and a client of it: (client, address)."""
+    server = make_server("tcp", source, LAYOUT, TOKEN)
+    address = await server.start("127.0.0.1")
+    client = make_client("tcp", token=TOKEN)
+    try:
+        yield client, address
+    finally:
+        await client.close()
+        await server.stop()
 
 
 @pytest.mark.parametrize("transport", transports())
@@ -82,10 +97,7 @@ def test_a_prompt_computed_before_its_final_answer_goes_in_one_part_with_it() ->
     async def run() -> None:
         source = TensorBlockSource(cache, lease_seconds=5)
         source.pin("req", PROMPT_BLOCKS, progress=lambda: NUM_TOKENS, num_tokens=NUM_TOKENS)
-        server = make_server("tcp", source, LAYOUT, TOKEN)
-        address = await server.start("127.0.0.1")
-        client = make_client("tcp", token=TOKEN)
-        try:
+        async with tcp_served(source) as (client, address):
             pull = asyncio.ensure_future(
                 client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0)
             )
@@ -95,9 +107,6 @@ def test_a_prompt_computed_before_its_final_answer_goes_in_one_part_with_it() ->
             result = await asyncio.wait_for(pull, 10)
             assert result.num_parts == 1 and result.final == {"first_token": 7}
             assert torch.equal(result.blocks, cache[torch.tensor(PROMPT_BLOCKS)])
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(run())
 
@@ -105,14 +114,10 @@ def test_a_prompt_computed_before_its_final_answer_goes_in_one_part_with_it() ->
 def test_a_streamed_pull_of_a_request_never_pinned_is_refused() -> None:
     async def run() -> None:
         source = TensorBlockSource(torch.randn(4, *LAYOUT.block_shape))
-        server = make_server("tcp", source, LAYOUT, TOKEN)
-        address = await server.start("127.0.0.1")
-        client = make_client("tcp", token=TOKEN)
-        with pytest.raises(TransferError) as info:
-            await client.pull_streamed(address, "nope", [1], LAYOUT, 5.0)
+        async with tcp_served(source) as (client, address):
+            with pytest.raises(TransferError) as info:
+                await client.pull_streamed(address, "nope", [1], LAYOUT, 5.0)
         assert info.value.reason == "unknown_request"
-        await client.close()
-        await server.stop()
 
     asyncio.run(run())
 
@@ -125,19 +130,13 @@ def test_a_streamed_pull_whose_prefill_stalls_ends_at_its_deadline() -> None:
     async def run() -> None:
         source = TensorBlockSource(cache, lease_seconds=5)
         source.pin("req", PROMPT_BLOCKS, progress=lambda: 4, num_tokens=NUM_TOKENS)  # one block
-        server = make_server("tcp", source, LAYOUT, TOKEN)
-        address = await server.start("127.0.0.1")
-        client = make_client("tcp", token=TOKEN)
-        try:
+        async with tcp_served(source) as (client, address):
             start = asyncio.get_running_loop().time()
             with pytest.raises(TransferError) as info:
                 await client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0, 1.0)
             assert info.value.reason == "timeout"
             assert asyncio.get_running_loop().time() - start < 3.0
             assert source.is_pinned("req")  # the pin is the owner's, untouched by the client
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(run())
 
@@ -163,10 +162,7 @@ def test_a_waiting_pull_looks_again_when_a_step_is_announced_not_by_polling() ->
         source = _CountedSource(cache, lease_seconds=5)
         source.looks = []
         source.pin("req", PROMPT_BLOCKS, progress=lambda: computed[0], num_tokens=NUM_TOKENS)
-        server = make_server("tcp", source, LAYOUT, TOKEN)
-        address = await server.start("127.0.0.1")
-        client = make_client("tcp", token=TOKEN)
-        try:
+        async with tcp_served(source) as (client, address):
             pull = asyncio.ensure_future(
                 client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0)
             )
@@ -189,9 +185,6 @@ def test_a_waiting_pull_looks_again_when_a_step_is_announced_not_by_polling() ->
             assert result.final == {"first_token": 3} and result.num_parts >= 2
             assert torch.equal(result.blocks, cache[torch.tensor(PROMPT_BLOCKS)])
             assert source.progress.num_waiting == 0
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(run())
 
@@ -203,10 +196,7 @@ def test_a_pin_released_while_its_pull_waits_refuses_the_pull_at_once() -> None:
     async def run() -> None:
         source = TensorBlockSource(cache, lease_seconds=5)
         source.pin("req", PROMPT_BLOCKS, progress=lambda: 0, num_tokens=NUM_TOKENS)
-        server = make_server("tcp", source, LAYOUT, TOKEN)
-        address = await server.start("127.0.0.1")
-        client = make_client("tcp", token=TOKEN)
-        try:
+        async with tcp_served(source) as (client, address):
             pull = asyncio.ensure_future(
                 client.pull_streamed(address, "req", PROMPT_BLOCKS, LAYOUT, 10.0)
             )
@@ -217,8 +207,5 @@ def test_a_pin_released_while_its_pull_waits_refuses_the_pull_at_once() -> None:
                 await asyncio.wait_for(pull, 10)
             assert info.value.reason == "unknown_request"
             assert time.monotonic() - released < STREAM_RECHECK_SECONDS / 2
-        finally:
-            await client.close()
-            await server.stop()
 
     asyncio.run(run())
