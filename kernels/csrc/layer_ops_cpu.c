@@ -34,10 +34,7 @@ ALWAYS_INLINE void add_rms_norm_row(void *x, const void *delta, const void *weig
     vec16 squares = {0};
     for (int64_t i = 0; i < hidden; i += LANES) {
         vec16 v = load(x, base + i, bf16);
-        if (delta) {
-            v = round_to(v + load(delta, base + i, bf16), bf16);
-            store(x, base + i, v, bf16);
-        }
+        if (delta) v = store_rounded(x, base + i, v + load(delta, base + i, bf16), bf16);
         squares += v * v;
     }
     const float inverse = 1.0f / sqrtf(sum_lanes(squares) / (float)hidden + eps);

@@ -50,6 +50,29 @@ def test_add_rms_norm_matches_the_reference(
     close_to_reference(got, want)
 
 
+def test_bfloat16_rounding_of_edge_values_is_pytorchs(kernel: cpu_ops.CpuKernels) -> None:
+    """The residual add rounds each sum to bfloat16 as PyTorch does, on every CPU: ties go to
+    even, denormal sums stay denormal (the CPU's own bf16 conversion, where the kernels use it,
+    reads them as zero: a vector holding one must take the exact path), infinities stay, NaN
+    stays NaN. Row 0 mixes denormals into a vector of normal values; row 1 has none."""
+    tiny = 2.0**-130  # a float32 denormal, and a bfloat16 one
+    edges = [tiny, -tiny, 3 * tiny, 2.0**-126, 1.0, 1.0 + 2.0**-7, 65504.0, 3e38]
+    edges += [float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-20, -7.5, 0.1]
+    deltas = [tiny, tiny, -tiny, -(2.0**-127), 2.0**-8, 2.0**-8, 2.0**4, 3e38]
+    deltas += [1.0, -1.0, 1.0, tiny, -0.0, 1e-20, 2.0**-6, 0.2]
+    row = torch.tensor(edges * 36).reshape(1, 576)
+    delta_row = torch.tensor(deltas * 36).reshape(1, 576)
+    x = torch.cat([row, row.clamp(-10, 10).nan_to_num() + 1.0]).bfloat16()
+    delta = torch.cat([delta_row, delta_row.clamp(-10, 10) * 3]).bfloat16()
+    weight = torch.ones(576, dtype=torch.bfloat16)
+    x_ref = x.clone()
+    reference.add_rms_norm(x_ref, delta, weight, 1e-5)
+    kernel.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x.isnan(), x_ref.isnan())
+    assert torch.equal(x.view(torch.int16)[~x.isnan()], x_ref.view(torch.int16)[~x_ref.isnan()])
+    assert (x_ref[0, :4].float().abs() < 2.0**-126).all()  # the denormal sums were exercised
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 5, 200])  # 200 tokens take the multithreaded path
 @pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
