@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kernels import reference
 from kernels.cpu_ops import cpu_signature
@@ -45,6 +46,19 @@ def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+def materialize(model: nn.Module) -> None:
+    """``model.to_empty(device="cpu")``, uninitialized CPU tensors in place of the meta ones,
+    without ``empty_like`` on a meta tensor: that goes through torch's Python references, which
+    import sympy (~0.7 s of every worker's start). Tied weights come apart (the loader ties
+    them again), as with ``to_empty``."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=param.dtype)
+            setattr(module, name, nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype))
+
+
 def load_model(
     model_dir: Path,
     dtype: torch.dtype,
@@ -64,7 +78,7 @@ def load_model(
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config)
-    model = model.to_empty(device="cpu")
+    materialize(model)
     model.rope.build()  # buffers are not weights: rebuild them after to_empty()
     model.load_hf_state_dict(load_weights(model_dir))
     model = model.to(device=device, dtype=dtype).eval()
