@@ -1,14 +1,18 @@
-"""The router process's footprint: start time and memory, with the torch import as a yardstick.
+"""The start time and memory of pdserve's processes: the router and a worker, with the torch
+import as a yardstick.
 
 Starts ``pdserve router`` (a real Redis registry, no workers) ``--repeats`` times and measures
 each start: from spawn to its ready line (it listens, its tokenizer is loaded), and its RSS
 once it has answered ``/v1/models``. Beside it, a bare ``python -c "import torch"``: what the
 router would pay on top if it imported the engine (it never does; tests/router/test_torch_free.py
-checks that).
+checks that). Then ``pdserve decode`` (the default model, float32, one thread, 128 blocks, no
+registry) as often: spawn to ready line, with the converted model, the compiled kernels and the
+GEMM table already in the cache (one start first fills it). A worker start is what a restart, a
+scale-out and most integration tests wait for.
 
-    python benchmarks/router_footprint.py [--repeats 5]
+    python benchmarks/process_footprint.py [--repeats 5]
 
-Prints medians; writes router_footprint.json to --out-dir (default benchmarks/results/).
+Prints medians; writes process_footprint.json to --out-dir (default benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -50,6 +54,21 @@ def router_start(redis_url: str) -> tuple[float, float]:
     return ready, rss
 
 
+def worker_start() -> tuple[float, float]:
+    """(seconds from spawn to ready, RSS in MiB once ready) of one decode worker start."""
+    args = ["--num-blocks", "128", "--threads", "1", "--insecure"]  # no --redis-url: no registry
+    worker = WorkerProcess("decode", args)
+    start = time.perf_counter()
+    worker.start()
+    ready = time.perf_counter() - start
+    try:
+        assert worker.proc is not None
+        rss = psutil.Process(worker.proc.pid).memory_info().rss / 2**20
+    finally:
+        worker.terminate(timeout=10)
+    return ready, rss
+
+
 def torch_import() -> tuple[float, float]:
     """(seconds, RSS in MiB) of a bare interpreter importing torch."""
     code = (
@@ -73,20 +92,26 @@ def main(argv: list[str] | None = None) -> int:
     with RedisServer() as redis:
         starts = [router_start(redis.url) for _ in range(args.repeats)]
     imports = [torch_import() for _ in range(args.repeats)]
+    worker_start()  # fills the cache where it is empty (model conversion, kernels, GEMM table)
+    workers = [worker_start() for _ in range(args.repeats)]
     result = {
         "router_ready_s": statistics.median(s for s, _ in starts),
         "router_rss_mib": statistics.median(r for _, r in starts),
         "torch_import_s": statistics.median(s for s, _ in imports),
         "torch_import_rss_mib": statistics.median(r for _, r in imports),
+        "worker_ready_s": statistics.median(s for s, _ in workers),
+        "worker_rss_mib": statistics.median(r for _, r in workers),
     }
     print(
         f"router: ready in {result['router_ready_s']:.2f} s, RSS {result['router_rss_mib']:.0f} MiB"
         f" after a request (medians of {args.repeats})\n"
         f"for scale, `import torch` alone: {result['torch_import_s']:.2f} s, "
-        f"{result['torch_import_rss_mib']:.0f} MiB max RSS"
+        f"{result['torch_import_rss_mib']:.0f} MiB max RSS\n"
+        f"decode worker (float32, 1 thread, cache warm): ready in {result['worker_ready_s']:.2f} s,"
+        f" RSS {result['worker_rss_mib']:.0f} MiB (medians of {args.repeats})"
     )
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / "router_footprint.json"
+    path = args.out_dir / "process_footprint.json"
     path.write_text(json.dumps({"command": command, "machine": machine, **result}, indent=2) + "\n")
     print(f"saved {path}")
     return 0
