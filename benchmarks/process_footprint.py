@@ -39,34 +39,32 @@ from services.redis_server import RedisServer  # noqa: E402
 from services.worker.launcher import WorkerProcess  # noqa: E402
 
 
-def router_start(redis_url: str) -> tuple[float, float]:
-    """(seconds from spawn to ready, RSS in MiB after one request) of one router start."""
-    router = WorkerProcess("router", ["--port", "0", "--redis-url", redis_url, "--insecure"])
+def process_start(role: str, args: list[str], then_get: str | None = None) -> tuple[float, float]:
+    """(seconds from spawn to ready, RSS in MiB) of one start of ``pdserve ROLE ARGS``; the RSS
+    after a GET of ``then_get`` (a path on its HTTP address) where given, else once ready."""
+    process = WorkerProcess(role, args)
     start = time.perf_counter()
-    router.start()
+    process.start()
     ready = time.perf_counter() - start
     try:
-        httpx.get(str(router.info["url"]) + "/v1/models", timeout=10).raise_for_status()
-        assert router.proc is not None
-        rss = psutil.Process(router.proc.pid).memory_info().rss / 2**20
+        if then_get is not None:
+            httpx.get(str(process.info["url"]) + then_get, timeout=10).raise_for_status()
+        assert process.proc is not None
+        rss = psutil.Process(process.proc.pid).memory_info().rss / 2**20
     finally:
-        router.terminate(timeout=10)
+        process.terminate(timeout=10)
     return ready, rss
+
+
+def router_start(redis_url: str) -> tuple[float, float]:
+    """One router start, its RSS after one request."""
+    args = ["--port", "0", "--redis-url", redis_url, "--insecure"]
+    return process_start("router", args, then_get="/v1/models")
 
 
 def worker_start() -> tuple[float, float]:
-    """(seconds from spawn to ready, RSS in MiB once ready) of one decode worker start."""
-    args = ["--num-blocks", "128", "--threads", "1", "--insecure"]  # no --redis-url: no registry
-    worker = WorkerProcess("decode", args)
-    start = time.perf_counter()
-    worker.start()
-    ready = time.perf_counter() - start
-    try:
-        assert worker.proc is not None
-        rss = psutil.Process(worker.proc.pid).memory_info().rss / 2**20
-    finally:
-        worker.terminate(timeout=10)
-    return ready, rss
+    """One decode worker start (no --redis-url: no registry), its RSS once ready."""
+    return process_start("decode", ["--num-blocks", "128", "--threads", "1", "--insecure"])
 
 
 def torch_import() -> tuple[float, float]:
