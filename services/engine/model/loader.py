@@ -79,7 +79,7 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(config)
     materialize(model)
-    model.rope.build()  # buffers are not weights: rebuild them after to_empty()
+    model.rope.build()  # buffers are not weights: rebuild them after materialize()
     model.load_hf_state_dict(load_weights(model_dir))
     model = model.to(device=device, dtype=dtype).eval()
     if quantization == "int8":
