@@ -37,7 +37,8 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     """Stop the pair after the session's last gateway test (and its module's own checks). This
     assumes one process runs the session's items in order: under pytest-xdist a process may run
     the last one before its other router modules, which then find no workers (tried: -n 2 took
-    the suite from 29 to 23 min on 2 cores, with four such errors)."""
+    the suite from 29 to 23 min on 2 cores, with four such errors; with the pair kept to the end
+    under xdist, a worker process went down twice and the run hung at 98%)."""
     yield
     pair = item.config.stash.get(SHARED, None)
     if pair is None:
