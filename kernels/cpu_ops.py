@@ -1,7 +1,8 @@
 """The compiled CPU path: paged decode attention that reads KV blocks in place, bfloat16 prefill
 attention (``kernels.prefill_attention``), the small-batch linear layer over bfloat16 weights in
-its own tiled order, and the per-token glue of a decoder layer fused (``add_rms_norm``,
-``rotary_write_kv``, ``silu_mul``).
+its own tiled order, the per-token glue of a decoder layer fused (``add_rms_norm``,
+``rotary_write_kv``, ``silu_mul``), and greedy sampling's argmax over the logits in the model's
+dtype (``argmax_rows``).
 
 ``kernels/csrc/*.c`` are built once per machine, into one library, with the system C compiler
 (``-O3 -march=native``) into a build directory and loaded with ctypes; nothing is compiled at
@@ -60,6 +61,7 @@ SOURCES = [
         "int8_cpu",
         "decode_layers_cpu",
         "prefill_attention_cpu",
+        "sampling_cpu",
     )
 ]
 HEADERS = [CSRC / "vec16.h", CSRC / "decode_parts.h"]
@@ -237,6 +239,9 @@ class CpuKernels:
         for fn in (self._norm, self._rotary, self._silu_mul, self._quantize, self._dequantize):
             fn.restype = ctypes.c_int
         self._linear_int8.restype = ctypes.c_int
+        self._argmax = lib.argmax_rows
+        self._argmax.argtypes = [ptr, ptr, i64, i64, i32, i32]
+        self._argmax.restype = ctypes.c_int
         # No rows: 1 (arguments it does not take) from a VNNI build, NO_VNNI from another.
         self.int8_vnni = self._linear_int8(None, None, None, None, None, None, 0, 0, 0, 0, 1) != (
             NO_VNNI
@@ -481,6 +486,28 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         _check_status(status, "silu_mul")
+        return out
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Same contract as ``reference.argmax_rows``."""
+        if (
+            logits.dim() != 2
+            or logits.shape[1] == 0
+            or logits.dtype not in CACHE_DTYPES
+            or not logits.is_cpu
+            or not logits.is_contiguous()
+        ):
+            return reference.argmax_rows(logits)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        status = self._argmax(
+            logits.data_ptr(),
+            out.data_ptr(),
+            logits.shape[0],
+            logits.shape[1],
+            logits.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "argmax_rows")
         return out
 
     def quantize_rows_int8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,6 +21,7 @@ import time
 import torch
 
 from common.sampling_params import SamplingParams
+from kernels import reference
 from services.engine.block_pool import BlockPool, HostBlockPool
 from services.engine.config import EngineConfig, ModelConfig
 from services.engine.grammar import Grammars
@@ -116,7 +117,8 @@ class LLMEngine:
             mcfg.vocab_size,
             sorted(self.tokenizer.eos_token_ids),
         )
-        self.sampler = Sampler(config.seed, self.grammars)
+        argmax = getattr(backend, "argmax_rows", reference.argmax_rows)  # the compiled one on CPU
+        self.sampler = Sampler(config.seed, self.grammars, argmax)
         self.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # min_tokens
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         vocab = mcfg.vocab_size

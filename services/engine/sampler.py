@@ -18,20 +18,23 @@ masked (services/engine/grammar.py), greedy rows included. The masks are compute
 their own while the model runs (``prepare``, called before the forward pass); a row not prepared
 (an n > 1 fork) is masked at sampling time.
 
-Logits on another device (a GPU) stay there for a batch of plain greedy rows (the argmax is all
-it needs); any other row brings the batch's logits to the host first, so draws, penalties and
+A batch of plain greedy rows takes the argmax of the logits as the model computed them, on their
+device and in the model's dtype (on CPU the compiled kernel, ``kernels.cpu_ops``, where built);
+any other row brings the batch's logits to the host in float32 first, so draws, penalties and
 masks run on the CPU generators and CPU tensors the CPU engine uses, and a seeded request gives
 the same tokens wherever its logits were computed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from common.sampling_params import draw_seed
+from kernels import reference
 from kernels.openmp import serial_thread
 from services.engine.grammar import Grammars, SequenceMatcher, allocate_bitmask, apply_bitmask
 from services.engine.sequence import Sequence
@@ -51,7 +54,13 @@ class Sampler:
 
     eos_token_ids: frozenset[int] = frozenset()  # the engine sets the model's (min_tokens)
 
-    def __init__(self, seed: int = 0, grammars: Grammars | None = None):
+    def __init__(
+        self,
+        seed: int = 0,
+        grammars: Grammars | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
+    ):
+        self.argmax = argmax  # each row's first maximum (the compiled CPU kernel's, where built)
         self.generator = torch.Generator().manual_seed(seed)
         self._seeded = torch.Generator()  # re-seeded before each seeded row's draw
         self.grammars = grammars
@@ -120,10 +129,12 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        logits = logits.float()
+        """``logits`` in the model's dtype: a batch of plain greedy rows is reduced as it is (a
+        bfloat16 widens to float32 exactly, so the argmax is the same); any other is widened."""
+        if all(_plain_greedy(s) for s in seqs):
+            return SampleResult(self.argmax(logits).tolist(), [None] * len(seqs))
+        logits = logits.float().cpu()
         params = [s.params for s in seqs]
-        if logits.device.type != "cpu" and not all(_plain_greedy(s) for s in seqs):
-            logits = logits.cpu()
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)
             if any(p.logprobs is not None for p in params)
@@ -137,7 +148,7 @@ class Sampler:
             logits = apply_penalties(logits, seqs)
         self._apply_grammars(logits, seqs)
         greedy = torch.tensor([p.is_greedy for p in params])
-        tokens = logits.max(dim=-1).indices  # argmax's first maximum, 1.6x faster on CPU here
+        tokens = self.argmax(logits)
         if not bool(greedy.all()):
             sampled_rows = (~greedy).nonzero().flatten().tolist()
             sampled = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])

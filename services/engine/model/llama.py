@@ -229,7 +229,8 @@ class LlamaModel(nn.Module):
         return self.norm(x, delta, meta.backend)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype: the sampler widens them where it needs float32."""
+        return self.lm_head(hidden)
 
     def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up as this module does."""
