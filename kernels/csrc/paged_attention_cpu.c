@@ -39,6 +39,7 @@
 #endif
 
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
+#define MAX_GROUP 64  /* query heads per KV head (cpu_ops.MAX_GROUP) */
 #define PREFETCH_BLOCKS 2 /* blocks ahead whose rows are asked for (1 -> 2: -10% from memory) */
 
 static inline const void *at(const void *base, int64_t index, int bf16) {
@@ -69,33 +70,46 @@ ALWAYS_INLINE void store_scores(float *dst, vec16 dots, int64_t count) {
         memcpy(dst, &dots, sizeof(float) * (size_t)count);
 }
 
-/* Softmax of `row` [len] in place: float32, with the max subtracted first. */
-static inline void softmax(float *row, int64_t len) {
-    vec16 top = (vec16){0} - INFINITY;
-    int64_t t = 0;
-    for (; t + LANES <= len; t += LANES) {
+/* The largest lane and the sum of the lanes, each through a tree of four shuffles (a scalar loop
+ * over 16 lanes is a chain of 16 dependent operations). */
+ALWAYS_INLINE float max_lanes(vec16 x) {
+    vec16 y = SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = blend(x, y, y > x);
+    y = SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x = blend(x, y, y > x);
+    y = SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x = blend(x, y, y > x);
+    y = SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    x = blend(x, y, y > x);
+    return x[0];
+}
+
+ALWAYS_INLINE float tree_sum(vec16 x) {
+    x += SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+/* Softmax of a row of scores, but for the division: `row` holds `span` floats (a multiple of
+ * 16: the context's scores, then -inf up to `span`, so every pass runs whole vectors and the
+ * padding comes out as 0); each becomes exp(score - max). Returns 1 / their sum, which pass 2
+ * applies once to each output row instead of to every score. */
+static inline float softmax_numerators(float *row, int64_t span) {
+    vec16 top = load(row, 0, 0);
+    for (int64_t t = LANES; t < span; t += LANES) {
         const vec16 v = load(row, t, 0);
         top = blend(top, v, v > top);
     }
-    float maximum = -INFINITY;
-    for (int i = 0; i < LANES; i++) maximum = top[i] > maximum ? top[i] : maximum;
-    for (int64_t u = t; u < len; u++) maximum = row[u] > maximum ? row[u] : maximum;
+    const float maximum = max_lanes(top);
     vec16 sums = {0};
-    for (t = 0; t + LANES <= len; t += LANES) {
+    for (int64_t t = 0; t < span; t += LANES) {
         const vec16 e = exp16(load(row, t, 0) - maximum);
         store(row, t, e, 0);
         sums += e;
     }
-    float sum = sum_lanes(sums);
-    if (t < len) { /* the tail, through a full vector */
-        vec16 tail = {0};
-        memcpy(&tail, row + t, sizeof(float) * (size_t)(len - t));
-        const vec16 e = exp16(tail - maximum);
-        for (int64_t u = t; u < len; u++) sum += row[u] = e[u - t];
-    }
-    const float inverse = 1.0f / sum;
-    for (t = 0; t + LANES <= len; t += LANES) store(row, t, load(row, t, 0) * inverse, 0);
-    for (; t < len; t++) row[t] *= inverse;
+    return 1.0f / tree_sum(sums);
 }
 
 /* `count` rows of `chunks` x 16 elements from `index`, `token_stride` apart, as float32: the
@@ -144,7 +158,7 @@ ALWAYS_INLINE int64_t block_rows(const Job *job, const void *cache, const void *
  * caller got them; `chunks` is even (rows of 32 bfloat16 pairs). Scores go where pass 1 puts
  * them. */
 ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t head_offset,
-                                   int64_t len, const uint16_t *qbf16,
+                                   int64_t len, int64_t span, const uint16_t *qbf16,
                                    int64_t group, int64_t chunks, float *scores) {
     const int64_t bs = job->block_size, dim = chunks * LANES, pairs = chunks / 2;
     const uint16_t *cache = (const uint16_t *)job->key_cache;
@@ -172,7 +186,7 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
                     memcpy(&acc[r], &sum, sizeof sum);
                 }
                 const vec16 dots = sum_lanes16(acc) * job->scale;
-                store_scores(scores + g * len + start + first, dots, count);
+                store_scores(scores + g * span + start + first, dots, count);
             }
         }
     }
@@ -184,9 +198,14 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
  * each value row widened once, in registers, for all the group's heads. The additions per
  * output element come in the order of the tokens, as in the sixteen-row path. */
 ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t head_offset,
-                                int64_t len, const float *scores, float *out,
-                                int bf16, int64_t chunks, int64_t group) {
+                                int64_t len, int64_t span, const float *scores,
+                                const float *inverse, float *out, int bf16, int64_t chunks,
+                                int64_t group) {
     const int64_t bs = job->block_size;
+    /* A bfloat16 row read as pairs widens 32 elements in two operations (a shift, a mask) where
+     * one at a time takes two for 16; each accumulator then holds every other element, which
+     * the end puts back in order. */
+    const int64_t split = bf16 && chunks % 2 == 0;
     vec16 acc[4][MAX_CHUNKS];
     for (int64_t g = 0; g < group; g++)
         for (int64_t c = 0; c < chunks; c++) acc[g][c] = (vec16){0};
@@ -197,18 +216,42 @@ ALWAYS_INLINE void weigh_values(const Job *job, const int32_t *table, int64_t he
                            &rows);
         for (int64_t r = 0; r < rows; r++) {
             const int64_t row = block + r * job->token_stride;
-            for (int64_t c = 0; c < chunks; c++) {
-                const vec16 v = load(job->value_cache, row + c * LANES, bf16);
-                for (int64_t g = 0; g < group; g++) acc[g][c] += scores[g * len + start + r] * v;
-            }
+            if (split) /* 32 bfloat16 as 16 pairs: the even ones, then the odd ones */
+                for (int64_t c = 0; c < chunks; c += 2) {
+                    u32x16 pairs;
+                    memcpy(&pairs, (const uint16_t *)job->value_cache + row + c * LANES,
+                           sizeof pairs); /* an unaligned load */
+                    const vec16 even = as_float(pairs << 16), odd = as_float(pairs & 0xffff0000u);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * span + start + r];
+                        acc[g][c] += p * even;
+                        acc[g][c + 1] += p * odd;
+                    }
+                }
+            else
+                for (int64_t c = 0; c < chunks; c++) {
+                    const vec16 v = load(job->value_cache, row + c * LANES, bf16);
+                    for (int64_t g = 0; g < group; g++)
+                        acc[g][c] += scores[g * span + start + r] * v;
+                }
         }
     }
     for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < chunks; c++)
-            store(out, g * chunks * LANES + c * LANES, acc[g][c], 0);
+        for (int64_t c = 0; c < chunks; c += 1 + split) {
+            vec16 low = acc[g][c], high = acc[g][c + split];
+            if (split) { /* back in order: even and odd lanes interleaved */
+                low = SHUFFLE(acc[g][c], acc[g][c + 1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21,
+                              6, 22, 7, 23);
+                high = SHUFFLE(acc[g][c], acc[g][c + 1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
+                               13, 29, 14, 30, 15, 31);
+                store(out, g * chunks * LANES + (c + 1) * LANES, high * inverse[g], 0);
+            }
+            store(out, g * chunks * LANES + c * LANES, low * inverse[g], 0);
+        }
 }
 
-/* Scores for `group` query heads over `len` tokens go to `scores[g * len + t]`; `q` and `out` are
+/* Scores for `group` query heads over `len` tokens go to `scores[g * span + t]` (`span`: `len`
+ * rounded up to 16, the rest -inf); `q` and `out` are
  * float32 buffers of the group's query and output rows. Always inlined, with `bf16` and `chunks`
  * (head_dim / 16) constants: with a constant trip count the accumulators stay in registers (a
  * runtime count kept them in memory, every add waiting on the store before it: 3x slower). */
@@ -225,13 +268,14 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
     const int64_t head_offset = kv_head * job->head_stride;
     memset(out, 0, sizeof(float) * group * dim);
     if (len <= 0) return;
+    const int64_t span = (len + LANES - 1) / LANES * LANES;
 
     float widened[LANES * MAX_CHUNKS * LANES]; /* 16 rows of a bfloat16 cache, widened once */
     /* Pass 1: scaled dot products, block by block (a block's rows for one head lie together),
      * sixteen keys at a time so that their sixteen horizontal sums share one shuffle tree. */
 #if HAVE_DPBF16
     if (bf16 && qbf16 != NULL && chunks % 2 == 0) {
-        dot_blocks_bf16(job, table, head_offset, len, qbf16, group, chunks, scores);
+        dot_blocks_bf16(job, table, head_offset, len, span, qbf16, group, chunks, scores);
     } else
 #endif
     {
@@ -256,20 +300,25 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
                             acc[r] += qg[c] * load(keys, r * stride + c * LANES, 0);
                     }
                     const vec16 dots = sum_lanes16(acc) * job->scale;
-                    store_scores(scores + g * len + start + first, dots, count);
+                    store_scores(scores + g * span + start + first, dots, count);
                 }
             }
         }
     }
 
-    for (int64_t g = 0; g < group; g++) softmax(scores + g * len, len);
+    float inverse[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t t = len; t < span; t++) scores[g * span + t] = -INFINITY;
+        inverse[g] = softmax_numerators(scores + g * span, span);
+    }
 
     /* Pass 2: weighted sum of the values. A group of up to four heads keeps all its output
      * rows in registers over the whole context and widens each value row once, in registers;
      * a larger group goes sixteen rows at a time (widened once into `widened` for all its
      * heads), one head's output row in registers at a time. */
     switch (group) {
-#define WEIGH(G) weigh_values(job, table, head_offset, len, scores, out, bf16, chunks, G)
+#define WEIGH(G)                                                                               \
+    weigh_values(job, table, head_offset, len, span, scores, inverse, out, bf16, chunks, G)
     case 1: WEIGH(1); return;
     case 2: WEIGH(2); return;
     case 3: WEIGH(3); return;
@@ -287,7 +336,7 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
             const float *values = rows16(job->value_cache, block + first * job->token_stride,
                                          job->token_stride, count, chunks, widened, &stride, bf16);
             for (int64_t g = 0; g < group; g++) {
-                const float *p = scores + g * len + start + first;
+                const float *p = scores + g * span + start + first;
                 vec16 acc[MAX_CHUNKS];
                 for (int64_t c = 0; c < chunks; c++) acc[c] = load(out, g * dim + c * LANES, 0);
                 for (int64_t r = 0; r < count; r++)
@@ -297,6 +346,9 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
             }
         }
     }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++)
+            store(out, g * dim + c * LANES, load(out, g * dim + c * LANES, 0) * inverse[g], 0);
 }
 
 /* head_dim 32, 64, 96 and 128 get a copy each; other multiples of 16 share a generic one. */
@@ -358,7 +410,7 @@ static int tables_valid(const Job *job, int64_t num_blocks) {
 /* 1 where the kernel does not take `job`'s shapes, else 0. */
 static int job_invalid(const Job *job) {
     return job->num_kv_heads <= 0 || job->num_heads % job->num_kv_heads != 0 ||
-           job->num_heads / job->num_kv_heads > 64 || job->head_dim % LANES != 0 ||
+           job->num_heads / job->num_kv_heads > MAX_GROUP || job->head_dim % LANES != 0 ||
            job->head_dim / LANES > MAX_CHUNKS || job->block_size <= 0;
 }
 
@@ -371,8 +423,8 @@ int attention_check(const Job *job, int64_t num_blocks) {
  * 64-byte multiples keep the rows aligned. */
 static size_t scores_floats(const Job *job) {
     const size_t group = (size_t)(job->num_heads / job->num_kv_heads);
-    const size_t floats = (size_t)(job->max_context_len > 0 ? job->max_context_len : 1) * group;
-    return (floats + 15) / 16 * 16;
+    const size_t len = (size_t)(job->max_context_len > 0 ? job->max_context_len : 1);
+    return (len + 15) / 16 * 16 * group; /* each head's row padded to whole vectors */
 }
 
 size_t attention_scratch_floats(const Job *job) {

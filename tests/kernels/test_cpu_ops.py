@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import kernels
 from common.sampling_params import SamplingParams
@@ -87,6 +89,51 @@ def test_decode_matches_reference(
     )
     assert actual.shape == expected.shape and actual.dtype == torch.float32
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    group=st.sampled_from([1, 2, 3, 4, 5, 8]),  # 1-4: outputs in registers; more: 16 rows at a time
+    num_kv_heads=st.integers(1, 3),
+    head_dim=st.sampled_from([32, 64, 96]),
+    block_size=st.sampled_from([1, 8, 16, 24, 32]),  # blocks that do not split into 16 rows too
+    context_lens=st.lists(st.integers(1, 150), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_decode_matches_reference_for_any_block_size_group_and_length(
+    kernel: cpu_ops.CpuKernels,
+    seed: int,
+    group: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    context_lens: list[int],
+    dtype: torch.dtype,
+) -> None:
+    """Score rows are padded to whole vectors and the softmax's division comes after the values'
+    sum: any block size, GQA group and context length gives the reference's attention."""
+    torch.manual_seed(seed)
+    needed = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(needed) + 1
+    kv = torch.randn(num_blocks, 2, num_kv_heads, block_size, head_dim).to(dtype)
+    key_cache, value_cache = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
+    perm, rows, used = torch.randperm(num_blocks).tolist(), [], 0
+    for n in needed:
+        rows.append(perm[used : used + n] + [perm[-1]] * (max(needed) - n))
+        used += n
+    tables = torch.tensor(rows, dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    query = torch.randn(len(context_lens), group * num_kv_heads, head_dim).to(dtype)
+    args = (query, key_cache, value_cache, tables, lens, head_dim**-0.5)
+    actual = kernel.paged_attention_decode(*args)
+    expected = reference.paged_attention_decode(
+        *(a.float() if a.is_floating_point() else a for a in args[:5]), args[5]
+    )
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output rounded once
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
 def test_decode_caps_context_at_max_context_len(kernel: cpu_ops.CpuKernels) -> None:
