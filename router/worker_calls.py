@@ -519,7 +519,7 @@ class WorkerCalls:
         self.in_flight[worker.worker_id] += 1
         self.num_pool_requests[worker.role] += 1
         try:
-            with self.channels.using(worker.grpc_address) as channel:
+            with self.channels.using(worker.grpc_address, worker.worker_id) as channel:
                 yield channel
         finally:
             self.num_pool_requests[worker.role] -= 1

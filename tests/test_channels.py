@@ -126,6 +126,49 @@ def test_a_channel_in_use_is_pruned_only_once_its_calls_end() -> None:
     run(main())
 
 
+def test_a_peer_restarted_at_its_address_gets_a_fresh_channel() -> None:
+    """A worker restarted in place (a container keeps its IP and port) comes back under a new
+    id: the old channel, which failed to connect while the address was down, is in gRPC's
+    reconnect backoff; a call for the new id gets a new channel that answers at once (the
+    compose rolling restart lost requests to the old one), and the old one closes at the next
+    prune. The same id keeps its channel."""
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        address = f"127.0.0.1:{port}"
+        pool = ChannelPool()
+        old = pool.get(address, "decode-1")
+        assert await answers(old) and pool.get(address, "decode-1") is old
+        await server.stop(None)
+        for _ in range(3):  # connection refused: the channel backs off
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await answers(old)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        again = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), again)
+        assert again.add_insecure_port(address) == port
+        await again.start()
+        try:
+            with pool.using(address, "decode-2") as fresh:
+                assert fresh is not old
+                assert await answers(fresh)  # the first call: no backoff to wait out
+            assert pool.get(address, "decode-2") is fresh and len(pool) == 1
+            with pool.using(address) as anonymous:  # a call naming no id takes the current one
+                assert anonymous is fresh
+            await pool.prune([address])
+            await assert_closed(old)
+            assert await answers(fresh)
+            await pool.close()
+            await assert_closed(fresh)
+        finally:
+            await again.stop(None)
+
+    run(main())
+
+
 def test_close_closes_every_channel() -> None:
     async def main() -> None:
         async with servers(2) as addresses:

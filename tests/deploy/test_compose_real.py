@@ -132,9 +132,11 @@ class Stack:
             for kind, extra in (("container", ["-a"]), ("network", []), ("volume", []))
         }
 
-    def logs(self) -> str:
+    def logs(self, *services: str, tail: int = 40) -> str:
+        """The last ``tail`` lines of each of ``services`` (all: none named)."""
         proc = subprocess.run(
-            ["docker-compose", "-p", self.project, "logs", "--no-color", "--tail", "40"],
+            ["docker-compose", "-p", self.project, "logs", "--no-color", "--tail", str(tail)]
+            + list(services),
             cwd=ROOT,
             env=self.env,
             capture_output=True,
@@ -337,6 +339,8 @@ def test_a_rolling_restart_of_each_worker_pool_loses_no_request(
                 )
                 took[container[:12]] = time.monotonic() - started
     print(f"rolled {took} (seconds each); {traffic.ok} requests meanwhile")
+    if traffic.errors:  # the router's account of its retries says where they went
+        print(stack.logs("router", tail=300))
     assert traffic.errors == [], traffic.errors[:5]
     assert traffic.ok > 0
 
