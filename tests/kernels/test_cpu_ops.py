@@ -48,9 +48,11 @@ def engine_layer_caches(
     return kv[:, LAYER, 0].transpose(1, 2), kv[:, LAYER, 1].transpose(1, 2)
 
 
-def shuffled_block_tables(context_lens: list[int], num_blocks: int) -> torch.Tensor:
+def shuffled_block_tables(
+    context_lens: list[int], num_blocks: int, block_size: int = BLOCK_SIZE
+) -> torch.Tensor:
     """Disjoint random blocks per sequence, padded with a valid foreign block id."""
-    needed = [-(-n // BLOCK_SIZE) for n in context_lens]
+    needed = [-(-n // block_size) for n in context_lens]
     perm = torch.randperm(num_blocks).tolist()
     width, rows, used = max(needed) + 1, [], 0
     for n in needed:
@@ -116,15 +118,10 @@ def test_decode_matches_reference_for_any_block_size_group_and_length(
     """Score rows are padded to whole vectors and the softmax's division comes after the values'
     sum: any block size, GQA group and context length gives the reference's attention."""
     torch.manual_seed(seed)
-    needed = [-(-n // block_size) for n in context_lens]
-    num_blocks = sum(needed) + 1
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 1
     kv = torch.randn(num_blocks, 2, num_kv_heads, block_size, head_dim).to(dtype)
     key_cache, value_cache = kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2)
-    perm, rows, used = torch.randperm(num_blocks).tolist(), [], 0
-    for n in needed:
-        rows.append(perm[used : used + n] + [perm[-1]] * (max(needed) - n))
-        used += n
-    tables = torch.tensor(rows, dtype=torch.int32)
+    tables = shuffled_block_tables(context_lens, num_blocks, block_size)
     lens = torch.tensor(context_lens, dtype=torch.int32)
     query = torch.randn(len(context_lens), group * num_kv_heads, head_dim).to(dtype)
     args = (query, key_cache, value_cache, tables, lens, head_dim**-0.5)
