@@ -140,13 +140,29 @@ int rotary_write_kv(const void *qkv, const void *cos, const void *sin, const int
     return 0;
 }
 
+/* One vector of silu(gate) * up at `i` of row r. */
+ALWAYS_INLINE void silu_mul_vector(const void *gate_up, void *out, int64_t r, int64_t size,
+                                   int64_t i, vec16 gate, vec16 e, int bf16) {
+    const vec16 silu = round_to(gate / (1.0f + e), bf16);
+    store(out, r * size + i, silu * load(gate_up, r * 2 * size + size + i, bf16), bf16);
+}
+
+#define SILU_GROUP 8 /* vectors in flight: one exp is a chain of ~15 dependent operations */
+
 ALWAYS_INLINE void silu_mul_row(const void *gate_up, void *out, int64_t r, int64_t size,
                                 int bf16) {
-    for (int64_t i = 0; i < size; i += LANES) {
+    int64_t i = 0;
+    for (; i + SILU_GROUP * LANES <= size; i += SILU_GROUP * LANES) {
+        vec16 gate[SILU_GROUP], e[SILU_GROUP];
+        for (int k = 0; k < SILU_GROUP; k++)
+            gate[k] = load(gate_up, r * 2 * size + i + k * LANES, bf16);
+        for (int k = 0; k < SILU_GROUP; k++) e[k] = exp16_fused(-gate[k]);
+        for (int k = 0; k < SILU_GROUP; k++)
+            silu_mul_vector(gate_up, out, r, size, i + k * LANES, gate[k], e[k], bf16);
+    }
+    for (; i < size; i += LANES) {
         const vec16 gate = load(gate_up, r * 2 * size + i, bf16);
-        const vec16 up = load(gate_up, r * 2 * size + size + i, bf16);
-        const vec16 silu = round_to(gate / (1.0f + exp16(-gate)), bf16);
-        store(out, r * size + i, silu * up, bf16);
+        silu_mul_vector(gate_up, out, r, size, i, gate, exp16_fused(-gate), bf16);
     }
 }
 

@@ -13,6 +13,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 typedef float vec16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -34,11 +37,26 @@ ALWAYS_INLINE u32x16 as_bits(vec16 value) {
     return out;
 }
 
+/* 16 bfloat16 as float32. GCC 12 compiles the generic conversion to two 8-lane zero-extends and
+ * an insert; one 16-lane zero-extend does it (the glue kernels' loads were most of their
+ * instructions: SiLU-and-multiply 2.1x faster with this and exp16_fused, issue #33). */
+ALWAYS_INLINE vec16 from_bf16x16(bf16x16 half) {
+#if defined(__AVX512F__)
+    __m256i narrow;
+    memcpy(&narrow, &half, sizeof narrow);
+    const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow), 16);
+    vec16 out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+#else
+    return as_float(__builtin_convertvector(half, u32x16) << 16);
+#endif
+}
+
 /* 16 elements of a float32 or bfloat16 array from `index`, as float32. */
 ALWAYS_INLINE vec16 load(const void *base, int64_t index, int bf16) {
     if (!bf16) return *(const vec16 *)((const float *)base + index);
-    const bf16x16 half = *(const bf16x16 *)((const uint16_t *)base + index);
-    return as_float(__builtin_convertvector(half, u32x16) << 16);
+    return from_bf16x16(*(const bf16x16 *)((const uint16_t *)base + index));
 }
 
 /* Bits of float32 `value` rounded to bfloat16 (nearest even; NaN stays a quiet NaN), low half 0. */
@@ -50,7 +68,6 @@ ALWAYS_INLINE u32x16 bf16_bits(vec16 value) {
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
 /* 16 lanes rounded to bfloat16 by VCVTNEPS2BF16: one instruction where bf16_bits takes about
  * ten, which made the rounding most of the glue kernels' time (issue #33). It rounds to nearest
  * even and quiets NaNs exactly as bf16_bits does, but reads denormal inputs as zero; a vector
@@ -78,7 +95,7 @@ ALWAYS_INLINE bf16x16 to_bf16x16(vec16 value) {
 /* `value` as the dtype stores it: rounded to bfloat16's precision, or unchanged in float32. */
 ALWAYS_INLINE vec16 round_to(vec16 value, int bf16) {
     if (!bf16) return value;
-    return as_float(__builtin_convertvector(to_bf16x16(value), u32x16) << 16);
+    return from_bf16x16(to_bf16x16(value));
 }
 
 /* Stores 16 lanes at `index`, rounded to bfloat16 for a bfloat16 array. */
@@ -99,7 +116,7 @@ ALWAYS_INLINE vec16 store_rounded(void *base, int64_t index, vec16 value, int bf
     }
     const bf16x16 narrow = to_bf16x16(value);
     *(bf16x16 *)((uint16_t *)base + index) = narrow;
-    return as_float(__builtin_convertvector(narrow, u32x16) << 16);
+    return from_bf16x16(narrow);
 }
 
 /* One float32 -> bfloat16, rounding to nearest even (NaN stays NaN). */
@@ -179,6 +196,39 @@ ALWAYS_INLINE vec16 exp16(vec16 x) {
     memcpy(&scale, &exponent, sizeof scale);
     const vec16 e = blend(p * scale, (vec16){0} + INFINITY, over);
     return blend(e, (vec16){0}, under);
+}
+
+/* exp16 with fused multiply-adds where the CPU has them: the same reduction, polynomial and edges
+ * (NaN stays NaN, 0 below -87.34, inf above 88.72), about half the dependent operations, within
+ * a float32 ulp of exp16. For kernels whose file keeps a*b + c rounding twice elsewhere. */
+ALWAYS_INLINE vec16 exp16_fused(vec16 value) {
+#if defined(__AVX512F__)
+    __m512 x;
+    memcpy(&x, &value, sizeof x);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447504f), _CMP_LT_OQ);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283935546875f), _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), x); /* NaN: the second operand, kept */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3365447504f), x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 5040), _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 e = _mm512_scalef_ps(p, n);
+    e = _mm512_mask_mov_ps(e, over, _mm512_set1_ps(INFINITY));
+    e = _mm512_mask_mov_ps(e, under, _mm512_setzero_ps());
+    vec16 out;
+    memcpy(&out, &e, sizeof out);
+    return out;
+#else
+    return exp16(value);
+#endif
 }
 
 #endif
