@@ -188,6 +188,9 @@ class Profiles:
     # (pdserve.sim.decode_residual); empty: the lines as they are
     residuals: dict[int, DecodeResiduals] = field(default_factory=dict)
     corun: CoRun = CoRun()  # the sweep's workers share one host (pdserve.sim.corun)
+    # The recorded sweep ran before the engine padded prefill per group of similar lengths
+    # (kernels.reference.length_groups): all of a step's prompts in one call. A sweep since: True.
+    grouped_prefill: bool = False
 
     @classmethod
     def load(
@@ -229,7 +232,7 @@ def timing(profiles: Profiles, config: str, scales: dict[int, tuple[float, float
         linear = scaled_linear(profiles.linear[threads], a, b, one)
         worker = timing_from_simulation_profile(linear, max_num_batched_tokens=budget or 2048)
         if profiles.padded_prefill:
-            worker = with_padded_prefill(worker)
+            worker = with_padded_prefill(worker, grouped=profiles.grouped_prefill)
         return worker if residuals is None else with_decode_residuals(worker, residuals)
     profile = profiles.curves
     curves = [scaled_curve(c, a, b) for c in profile.threads if c.num_threads == threads]
@@ -428,6 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time every prefill as the profiles' causal path (pdserve.sim.padded_prefill)",
     )
     parser.add_argument(
+        "--grouped-prefill",
+        action="store_true",
+        help="pad prefill attention per group of similar lengths, as the engine has since the "
+        "recorded sweep (kernels.reference.length_groups): for a sweep recorded since",
+    )
+    parser.add_argument(
         "--decode-points",
         type=Path,
         default=MEASURED,
@@ -464,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     points = None if args.no_decode_residuals else args.decode_points
     corun = None if args.no_corun else args.corun
     profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points, corun)  # type: ignore[arg-type]
+    profiles = replace(profiles, grouped_prefill=args.grouped_prefill)
     sweep = Sweep.load(args.sweep)
     cal: Calibration | dict[str, Calibration]
     if args.per_deployment:

@@ -79,18 +79,32 @@ def test_a_per_request_overhead_delays_the_first_token_not_the_gaps() -> None:
 
 
 def test_prompts_sharing_a_step_pay_the_padded_attention() -> None:
-    """The engine pads prefill attention unless one fresh prompt is alone in its step."""
+    """The engine pads prefill attention per group of similar lengths, except fresh prompts of
+    one length; before, it padded a step's prompts together unless one was alone."""
     linear = StepTimeModel(0.01, 0.001, 1e-6, 0.001, 0.0)
-    cost = PaddedPrefillCost(linear, pair_s=1e-6, ratio=0.5)
-    assert cost.seconds([(0, 100)], [50, 60]) == linear.seconds([(0, 100)], [50, 60])
-    two = linear.seconds([(0, 100), (0, 40)], []) + 1e-6 * (
-        0.5 * 2 * 100 * 100 - 100 * 50.5 - 40 * 20.5
-    )
-    assert cost.seconds([(0, 100), (0, 40)], []) == pytest.approx(two)
-    chunk = linear.seconds([(200, 100)], []) + 1e-6 * (0.5 * 100 * 300 - 100 * 250.5)
-    assert cost.seconds([(200, 100)], []) == pytest.approx(chunk)  # a later chunk: padded too
-    padded = with_padded_prefill(timing(), ratio=0.5)
-    assert isinstance(padded.step, PaddedPrefillCost) and padded.step.pair_s == STEP.prefill_pair_s
+    grouped, before = (PaddedPrefillCost(linear, 1e-6, 0.5, g) for g in (True, False))
+    for cost in (grouped, before):
+        assert cost.seconds([(0, 100)], [50, 60]) == linear.seconds([(0, 100)], [50, 60])
+        two = linear.seconds([(0, 100), (0, 80)], []) + 1e-6 * (
+            0.5 * 2 * 100 * 100 - 100 * 50.5 - 80 * 40.5
+        )
+        assert cost.seconds([(0, 100), (0, 80)], []) == pytest.approx(two)  # one group
+        chunk = linear.seconds([(200, 100)], []) + 1e-6 * (0.5 * 100 * 300 - 100 * 250.5)
+        assert cost.seconds([(200, 100)], []) == pytest.approx(chunk)  # a later chunk: padded
+    alike = [(0, 64)] * 4
+    padded = 1e-6 * (0.5 * 4 * 64 * 64 - 4 * 64 * 32.5)
+    assert grouped.seconds(alike, []) == linear.seconds(alike, [])
+    assert before.seconds(alike, []) == pytest.approx(linear.seconds(alike, []) + padded)
+    # A long prompt beside two short ones: the long one alone (causal), the short ones padded
+    # to 50 (before: all three to 1,000).
+    mixed = [(0, 1000), (0, 50), (0, 40)]
+    apart = 1e-6 * (0.5 * 2 * 50 * 50 - 50 * 25.5 - 40 * 20.5)
+    together = 1e-6 * (0.5 * 3 * 1000 * 1000 - 1000 * 500.5 - 50 * 25.5 - 40 * 20.5)
+    assert grouped.seconds(mixed, []) == pytest.approx(linear.seconds(mixed, []) + apart)
+    assert before.seconds(mixed, []) == pytest.approx(linear.seconds(mixed, []) + together)
+    padded_timing = with_padded_prefill(timing(), ratio=0.5)
+    assert isinstance(padded_timing.step, PaddedPrefillCost)
+    assert padded_timing.step.pair_s == STEP.prefill_pair_s and padded_timing.step.grouped
 
 
 def test_mean_ttft_matches_the_md1_closed_form() -> None:
