@@ -19,12 +19,13 @@ observable, a 2 s lease; D; on tcp a P whose served pulls pause before letting t
 reused across cases; a killed one is started again before the next case. Prompts are random
 token ids, a new one per case (no prefix-cache hit between cases): 96 tokens; 192 (12 blocks,
 more than the socket buffers hold) in the chunk phases and for the stalled reader; 1024 (64 steps
-of P) where a lease must run out while P computes; 97 in the controls.
+of P) where a lease must run out while P computes; 193 in the controls (13 steps of P: with 97, 7
+steps, D's first pull came after P's answer in 1 of 9 suite runs, and the phase was missed).
 
 ``PDSERVE_WRITE_SWEEP_TABLE=1`` writes the table of the sweep to docs/handoff-sweep.md.
 
 On the tree before #30's fixes (788ff44) it fails three ways: ``tcp-chunk-first-none`` gives
-wrong tokens from the first decoded one (97 = 6 blocks + 1: the streamed pull reserved one
+wrong tokens from the first decoded one (97 then = 6 blocks + 1: the streamed pull reserved one
 token too few); ``tcp-chunk-first-lease`` hangs to its deadline (the lease ran out while P
 computed: PrefillStream never answered, so the ABORTED Generate was never asked again);
 ``tcp-pinned-stall`` leaves P's 12 blocks and its pinned request held (a tcp reader that stops
@@ -75,7 +76,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 # Prompt lengths (one block: 16 tokens, one step of P, 737 KB): a stalled reader's payload must
 # overflow the socket buffers (4 MB): LONG; a lease must run out while P computes: LEASE_LONG;
 # RESIDUE: one token over a multiple of the block size.
-LONG, LEASE_LONG, SHORT, RESIDUE = 192, 1024, 96, 97
+LONG, LEASE_LONG, SHORT, RESIDUE = 192, 1024, 96, 193
 TABLE = Path(__file__).parents[2] / "docs" / "handoff-sweep.md"
 CLEAR = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
 
