@@ -95,8 +95,8 @@ def paged_attention_decode(
 
 
 # A sequence padded into a call with others computes at most this many times the scores it
-# needs: a 1,024-token prompt beside forty of 100-200 tokens made every one of them 1,024 x 1,024
-# (the hand-off sweep's reference batch: 20 s, 8.6 of it in attention; grouped, 13 s and 2.6).
+# needs: in one call, a 1,024-token prompt made each of six neighbours of 96-192 tokens 1,024 x
+# 1,024 (float32 step 6.5 s, grouped 2.5: benchmarks/prefill_attention_paths.py --mixed).
 PADDING_WASTE = 2.0
 
 
@@ -143,9 +143,10 @@ def paged_attention_prefill(
         return _padded_prefill(query, *args)
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
+    device = query.device
     for group in groups:
-        tokens = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in group])
-        members = torch.tensor(group)
+        tokens = torch.cat([torch.arange(starts[s], starts[s + 1], device=device) for s in group])
+        members = torch.tensor(group, device=device)
         lens = torch.tensor([0] + [q_lens[s] for s in group]).cumsum(0).to(query_start_loc)
         out[tokens] = _padded_prefill(
             query[tokens],
@@ -177,7 +178,7 @@ def _padded_prefill(
     values = gather_kv(value_cache, block_tables, max_ctx).to(query.dtype)
     if max_q == max_ctx and bool((q_lens == max_q).all() & (context_lens == max_q).all()):
         # Fresh prompts of one length: plain causal attention, no padding and no mask.
-        batch = query.view(num_seqs, max_q, *query.shape[1:]).transpose(1, 2)
+        batch = query.reshape(num_seqs, max_q, *query.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             batch, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
