@@ -4,8 +4,9 @@ benchmark time a pull against, and what the transport tests pull from.
 ``ServerProcess`` spawns a child that builds a deterministic random KV cache
 (:func:`make_kv_cache`), pins the requested blocks in a :class:`TensorBlockSource` and serves
 it with the chosen transport. The parent gets the address, can ask for the server's stats,
-and can stop or SIGKILL it. Two request ids inject faults on the server side:
-``STALL_REQUEST`` never answers (its read sleeps) and is how tests make a server hang.
+and can stop or SIGKILL it. One request id injects a fault on the server side:
+``STALL_REQUEST`` never answers (its read waits until the server stops) and is how tests make a
+server hang.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import asyncio
 import dataclasses
 import multiprocessing as mp
 import os
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event as EventType
 from typing import Any
 
 import torch
@@ -52,7 +53,13 @@ def make_kv_cache(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
 
 
 class _StallingSource(TensorBlockSource):
-    """A source whose reads of ``STALL_REQUEST`` never return (a hung server)."""
+    """A source whose reads of ``STALL_REQUEST`` never return (a hung server: the read blocks
+    the server's loop) until the parent sets ``stopping``: then the stalled read fails and the
+    loop can take the stop command (it waited out ``ServerProcess.stop``'s timeouts, 20 s)."""
+
+    def __init__(self, kv_cache: torch.Tensor, lease_seconds: float, stopping: EventType):
+        super().__init__(kv_cache, lease_seconds)
+        self.stopping = stopping
 
     def renew_lease(self, request_id: str) -> bool:
         return request_id == STALL_REQUEST or super().renew_lease(request_id)
@@ -60,12 +67,13 @@ class _StallingSource(TensorBlockSource):
     @contextmanager
     def reading(self, request_id: str, block_ids: list[int]) -> Iterator[None]:
         if request_id == STALL_REQUEST:
-            time.sleep(3600)
+            self.stopping.wait(3600)
+            raise KeyError(request_id)  # the server stops: as if its blocks were gone
         with super().reading(request_id, block_ids):
             yield
 
 
-def _child_main(spec: ServerSpec, conn: Connection) -> None:
+def _child_main(spec: ServerSpec, conn: Connection, stopping: EventType) -> None:
     torch.set_num_threads(spec.num_threads)
     kv_cache = make_kv_cache(spec.layout, spec.num_blocks, spec.seed).to(spec.device)
     path = None
@@ -74,7 +82,7 @@ def _child_main(spec: ServerSpec, conn: Connection) -> None:
         shared = torch.from_file(path, shared=True, size=kv_cache.numel(), dtype=kv_cache.dtype)
         kv_cache = shared.view(kv_cache.shape).copy_(kv_cache)
         spec = dataclasses.replace(spec, options={**spec.options, "path": path})
-    source = _StallingSource(kv_cache, 3600.0)
+    source = _StallingSource(kv_cache, 3600.0, stopping)
     for request_id, block_ids in spec.pins.items():
         source.pin(request_id, block_ids, with_checksums=False)
     try:
@@ -119,7 +127,10 @@ class ServerProcess:
         self.spec = spec
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_child_main, args=(spec, child_conn), daemon=True)
+        self._stopping = context.Event()
+        self.process = context.Process(
+            target=_child_main, args=(spec, child_conn, self._stopping), daemon=True
+        )
         self.process.start()
         child_conn.close()
         if not self._conn.poll(start_timeout):
@@ -137,12 +148,13 @@ class ServerProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.process.is_alive():
+            self._stopping.set()  # a stalled read lets go of the server's loop
             try:
                 self._conn.send("stop")
-                self._conn.poll(timeout)
+                if self._conn.poll(timeout):  # no answer: a hung server, killed below
+                    self.process.join(timeout)
             except (BrokenPipeError, EOFError, OSError):
                 pass
-            self.process.join(timeout)
         self.kill()
 
     def kill(self) -> None:
