@@ -306,8 +306,8 @@ def test_one_dead_prefill_worker_does_not_stop_the_system(up: Up) -> None:
     finished = worker_metric(up, "prefill-0", "pdserve_requests_total", 'outcome="pinned"')
     recomputed = router_metric(up, "pdserve_router_kv_sources_total", 'source="recomputed"')
     moved = retries(up, "prefill")
-    # ~200 tokens each (13 blocks: a worker holds 3 of them), none sharing a prefix; 128 tokens
-    # to generate keep the decode worker full (2-3 at a time), so computed prompts wait
+    # ~200 tokens each (13 blocks: a worker holds 3 of them), none sharing a prefix; 64 tokens
+    # to generate keep the decode worker full (2 at a time), so computed prompts wait
     prompts = [f"Request {i}: " + "Tell me about the history of Paris. " * 24 for i in range(16)]
 
     def handed_over_and_busy() -> bool:
@@ -321,7 +321,7 @@ def test_one_dead_prefill_worker_does_not_stop_the_system(up: Up) -> None:
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [
-            pool.submit(complete, up, prompt=p, max_tokens=128, ignore_eos=True) for p in prompts
+            pool.submit(complete, up, prompt=p, max_tokens=64, ignore_eos=True) for p in prompts
         ]
         deadline = time.monotonic() + 90
         while not handed_over_and_busy():
@@ -335,7 +335,7 @@ def test_one_dead_prefill_worker_does_not_stop_the_system(up: Up) -> None:
     assert in_flight >= 12, f"only {in_flight} requests were in flight when prefill-0 died"
     for answer in answers:
         choice, usage = answer.json()["choices"][0], answer.json()["usage"]
-        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 128
+        assert choice["finish_reason"] == "length" and usage["completion_tokens"] == 64
     assert retries(up, "prefill") > moved, "no prefill was moved off prefill-0"
     again = router_metric(up, "pdserve_router_kv_sources_total", 'source="recomputed"')
     assert again > recomputed, "no computed prompt of prefill-0 was waiting for the decode worker"
