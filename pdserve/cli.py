@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from common.heap import defer_collection
 from common.settings import HelpFormatter, add_settings, build, setting
 from pdserve.profile import ProfileConfig  # numpy-free: its flags are plan's
 from services.engine.config import EngineConfig, default_num_threads
@@ -178,6 +179,7 @@ def router_config_from_args(args: argparse.Namespace):  # type: ignore[no-untype
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    defer_collection()
     from router.server import run_router
 
     run_router(router_config_from_args(args))
@@ -233,6 +235,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    defer_collection()  # before torch is imported
     from services.worker_pool import run_workers
 
     run_workers(worker_config_from_args(args.command, args))

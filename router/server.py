@@ -39,6 +39,7 @@ import uvicorn
 from prometheus_client import disable_created_metrics
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.heap import freeze_startup_heap
 from common.ready import announce_ready
 from common.tracing import setup_tracing
 from common.wire import check_cluster_token
@@ -190,6 +191,7 @@ async def serve(config: RouterConfig) -> None:
     if server.started:
         url = f"http://{config.host}:{port}"
         info = {"role": "router", "url": url, "port": port, "pid": os.getpid(), "model": model.name}
+        freeze_startup_heap()
         announce_ready(info)
         log.info("serving %s at %s", model.name, url)
         if model.generation.as_dict():

@@ -33,6 +33,7 @@ from grpc_health.v1._async import HealthServicer
 from prometheus_client import Counter, disable_created_metrics
 
 import kvtransfer
+from common.heap import freeze_startup_heap
 from common.ready import announce_ready
 from common.wire import TOKEN_HEADER, check_cluster_token
 from kernels.openmp import serial_thread
@@ -253,6 +254,7 @@ class Worker:
             self.ready_info["simulate"] = self.simulation.name
         if self.standalone:
             self._install_signal_handlers()
+            freeze_startup_heap()
             announce_ready(self.ready_info)
         await self._stop.wait()
         await self._drain(health)

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import signal
 
+from common.heap import freeze_startup_heap
 from common.ready import announce_ready
 from services.server import Worker, run_worker
 from services.worker.config import WorkerConfig
@@ -64,6 +65,7 @@ async def host_workers(config: WorkerConfig) -> None:
                 raise RuntimeError(f"worker {failed[0].get_name()} stopped while starting")
             await asyncio.sleep(0.05)
         infos = [w.ready_info for w in workers if w.ready_info is not None]
+        freeze_startup_heap()
         announce_ready({**infos[0], "workers": infos})
         log.info("%d simulated %s workers serving", len(workers), config.role)
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
