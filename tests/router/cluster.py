@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -19,7 +17,7 @@ from typing import Any
 from openai import OpenAI
 
 from services.worker.launcher import WorkerProcess
-from tests.services.workers import SMALL, metric
+from tests.services.workers import SMALL, metric, stop_all
 
 MODEL = "SmolLM2-135M-Instruct"
 # The gateway tests exercise the disaggregated flow: every prompt through a prefill worker
@@ -73,20 +71,6 @@ class Cluster:
         for process in [*self.routers, *self.workers]:
             print(f"--- {process.role} {process.info.get('worker_id', '')} ---")
             print(process.output_tail())
-
-
-def stop_all(processes: list[WorkerProcess], timeout: float = 10.0) -> None:
-    """SIGTERM (drain) to every live process, then wait for each (SIGKILL after ``timeout``)."""
-    live = [p for p in processes if p.is_alive()]
-    for process in live:
-        process.signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for process in live:
-        assert process.proc is not None
-        try:
-            process.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @dataclass

@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import signal
+import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -62,8 +65,21 @@ def running(
             print(f"--- {w.role} worker output ---\n{w.output_tail()}")
         raise
     finally:
-        for w in workers:
-            w.terminate(timeout=10)
+        stop_all(workers)
+
+
+def stop_all(processes: list[WorkerProcess], timeout: float = 10.0) -> None:
+    """SIGTERM (drain) to every live process, then wait for each (SIGKILL after ``timeout``)."""
+    live = [p for p in processes if p.is_alive()]
+    for process in live:
+        process.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for process in live:
+        assert process.proc is not None
+        try:
+            process.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def metric(worker: WorkerProcess, name: str, labels: str = "") -> float:
