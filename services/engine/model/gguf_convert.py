@@ -58,7 +58,7 @@ _GLOBAL_NAMES = {
 
 def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
     """Where ``gguf_path`` is (or will be) converted; converts it if not cached yet."""
-    sha = file_sha256(gguf_path)
+    sha = file_sha256(gguf_path, cache_dir)
     target = conversion_dir(gguf_path, cache_dir, sha)
     if (target / SOURCE_FILE).exists():
         return target
