@@ -316,9 +316,17 @@ def slos_for(runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace) ->
     unloaded = {
         name: compute(by_key["base"], percentiles=(99.0,)).stats for name, by_key in runs.items()
     }
-    ttft = min(s["mean_ttft_ms"] for s in unloaded.values()) * TTFT_FACTOR
-    tpot = min(s["mean_tpot_ms"] for s in unloaded.values()) * TPOT_FACTOR
-    itl = min(s["p99_itl_ms"] for s in unloaded.values()) * ITL_FACTOR
+
+    def best(key: str) -> float:
+        values = [s[key] for s in unloaded.values()]
+        known = [v for v in values if v is not None]
+        if len(known) < len(values):  # an unloaded run that served nothing
+            raise SystemExit(f"no {key} in an unloaded run: see its errors above")
+        return min(known)
+
+    ttft = best("mean_ttft_ms") * TTFT_FACTOR
+    tpot = best("mean_tpot_ms") * TPOT_FACTOR
+    itl = best("p99_itl_ms") * ITL_FACTOR
     return {
         "ttft": args.slo_ttft_ms or round(ttft, 1),
         "tpot": args.slo_tpot_ms or round(tpot, 1),
@@ -326,10 +334,10 @@ def slos_for(runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace) ->
     }
 
 
-def max_rate_under_slo(rows: dict[str, dict[str, float]]) -> tuple[float, str]:
+def max_rate_under_slo(rows: dict[str, dict[str, float | None]]) -> tuple[float, str]:
     """The highest rate whose attainment stays >= ATTAINMENT_TARGET, linearly interpolated
     between the last passing and the first failing swept rate; with how it was bounded."""
-    points = sorted((float(rate), row["attainment"]) for rate, row in rows.items())
+    points = sorted((float(rate), row["attainment"] or 0.0) for rate, row in rows.items())
     last_rate, last_att = 0.0, 1.0  # an idle system meets its SLOs (they are multiples of it)
     for rate, att in points:
         if att < ATTAINMENT_TARGET:
@@ -340,7 +348,7 @@ def max_rate_under_slo(rows: dict[str, dict[str, float]]) -> tuple[float, str]:
     return last_rate, "at least (every swept rate met it)"
 
 
-def row_of(m: Metrics) -> dict[str, float]:
+def row_of(m: Metrics) -> dict[str, float | None]:
     s = m.stats
     return {
         "goodput": m.request_goodput or 0.0,
@@ -588,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     print(describe_workload(plan, args))
     started = time.monotonic()
+    hol: dict[str, interference.InterferenceResult]
     if args.from_raw:
         out, hol = pickle.loads(args.from_raw.read_bytes()), {}
         phases: Phases = {name: {preset: {} for preset in plan.rates} for name in out}

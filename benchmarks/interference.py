@@ -51,7 +51,8 @@ class InterferenceResult:
 
     def gaps(self) -> tuple[list[float], list[float]]:
         """(quiet, loaded) inter-token gaps in ms; the first token's wait is not a gap."""
-        quiet, loaded = [], []
+        quiet: list[float] = []
+        loaded: list[float] = []
         for times in self.token_times:
             for before, after in zip(times, times[1:]):
                 overlaps = any(before < end and after > start for start, end in self.long_windows)
