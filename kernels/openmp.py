@@ -45,4 +45,3 @@ def serial_thread() -> None:
     runtime = _openmp_runtime()
     if runtime is not None:
         runtime.omp_set_num_threads(1)
-

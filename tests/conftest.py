@@ -8,6 +8,8 @@ import secrets
 import pytest
 import torch
 
+from services.engine.config import ModelConfig
+
 # Triton kernels run under the interpreter on machines without a GPU; set before triton loads.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -68,3 +70,22 @@ def redis_server(redis_executable: str):  # type: ignore[no-untyped-def]
 
     with RedisServer(executable=redis_executable) as server:
         yield server
+
+
+def tiny_model_config(**fields: object) -> ModelConfig:
+    """A small Llama-shaped model for kernel and loader tests (random weights); ``fields``
+    change any of its sizes or options."""
+    shape: dict[str, object] = {
+        "vocab_size": 64,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position": 128,
+        "tie_word_embeddings": False,
+    }
+    return ModelConfig(**{**shape, **fields})  # type: ignore[arg-type]

@@ -10,20 +10,15 @@ import torch
 from services.engine.config import ModelConfig
 from services.engine.model.llama import LlamaModel
 from services.engine.model.loader import materialize
+from tests.conftest import tiny_model_config
 
 
 def tiny_config(tied: bool = True) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=64,
+    return tiny_model_config(
         hidden_size=32,
         intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
         head_dim=8,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        max_position=128,
         tie_word_embeddings=tied,
     )
 

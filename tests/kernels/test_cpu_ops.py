@@ -22,11 +22,12 @@ import kernels
 from common.sampling_params import SamplingParams
 from common.settings import add_settings, build
 from kernels import cpu_ops, reference
-from services.engine.config import EngineConfig, ModelConfig
+from services.engine.config import EngineConfig
 from services.engine.model.llama import LlamaModel
 from services.engine.model_runner import ModelRunner, attention_backend
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
+from tests.conftest import tiny_model_config
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 3
@@ -365,19 +366,7 @@ def test_model_runner_runs_the_configured_kernel(
     """A decode step through ``ModelRunner`` and the model takes the compiled kernel the config
     chose, and gives the reference's logits."""
     torch.manual_seed(4)
-    cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        max_position=128,
-        tie_word_embeddings=False,
-    )
+    cfg = tiny_model_config()
     model = LlamaModel(cfg).eval()
 
     def decode_logits(attention: str | kernels.Backend | None) -> torch.Tensor:

@@ -16,25 +16,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernels import cpu_ops
-from services.engine.config import ModelConfig
 from services.engine.model.fused_decode import FusedDecode
 from services.engine.model.llama import AttentionMetadata, LlamaModel
 from services.engine.model.packed_linear import NUM_BUCKETS, pack_linears
 from services.engine.model_runner import ModelRunner
+from tests.conftest import tiny_model_config
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_CONTEXT = 16, 48, 100
-CONFIG = ModelConfig(
+CONFIG = tiny_model_config(
     vocab_size=96,
     hidden_size=128,
     intermediate_size=224,
     num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
     head_dim=32,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
     max_position=256,
-    tie_word_embeddings=False,
     attention_bias=True,
 )
 
