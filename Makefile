@@ -50,6 +50,7 @@ protos: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy services kernels pdserve router kvtransfer common loadtest
 
 bench: setup
