@@ -310,9 +310,17 @@ def measure(
 # -- the results --------------------------------------------------------------------------------
 
 
-def slos_for(runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace) -> dict[str, float]:
-    """TTFT/TPOT/ITL-p99 limits in ms: given, or a multiple of the best configuration's
-    unloaded figure (mean TTFT, mean TPOT, p99 ITL)."""
+def slos_for(
+    runs: dict[str, dict[str, RunOutput]], args: argparse.Namespace, preset: str
+) -> dict[str, float]:
+    """TTFT/TPOT/ITL-p99 limits in ms: given, a recorded sweep's for ``preset`` (``--slos-from``:
+    two sweeps judged by the same limits can be compared row by row), or a multiple of the
+    best configuration's unloaded figure (mean TTFT, mean TPOT, p99 ITL)."""
+    if args.slos_from is not None:
+        recorded = json.loads(args.slos_from.read_text())["presets"]
+        if preset not in recorded:
+            raise SystemExit(f"{args.slos_from} has no {preset} preset to take the SLOs of")
+        return dict(recorded[preset]["slos_ms"])
     unloaded = {
         name: compute(by_key["base"], percentiles=(99.0,)).stats for name, by_key in runs.items()
     }
@@ -375,7 +383,7 @@ def summarize(
     summary: dict[str, Any] = {}
     for preset, rates in plan.rates.items():
         runs = {name: out[name][preset] for name in out}
-        slos = slos_for(runs, args)
+        slos = slos_for(runs, args, preset)
         unloaded = {
             name: {k: r[k] for k in ("p50_ttft_ms", "p50_tpot_ms")}
             for name, r in (
@@ -523,6 +531,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, help=f"default {TTFT_FACTOR:g}x unloaded TTFT")
     p.add_argument("--slo-tpot-ms", type=float, help=f"default {TPOT_FACTOR:g}x unloaded TPOT")
     p.add_argument("--slo-itl-p99-ms", type=float, help=f"default {ITL_FACTOR:g}x unloaded ITL p99")
+    p.add_argument(
+        "--slos-from",
+        type=Path,
+        help="every preset's SLOs as a recorded goodput.json has them (overrides the above)",
+    )
     p.add_argument("--quick", action="store_true", help="~5 min: 10 prompts, 2 rates, 3 baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(

@@ -55,6 +55,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -95,6 +96,9 @@ SWEEP_KEYS = {
     "ttft_p90": "p90_ttft_ms",
     "tpot_p50": "p50_tpot_ms",
 }
+
+
+Key = TypeVar("Key")
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,29 @@ class Sweep:
             recorded,
             decisions,
         )
+
+    @classmethod
+    def mean(cls, sweeps: list[Sweep]) -> Sweep:
+        """The row-by-row mean of sweeps of one workload judged by the same SLOs (goodput.py
+        ``--slos-from``): each row's own noise divided by about the root of their number. The
+        routing decisions are the first sweep's."""
+        first = sweeps[0]
+        for other in sweeps[1:]:
+            same = (other.input_scale, other.output_scale, other.num_prompts, other.slos)
+            if same != (first.input_scale, first.output_scale, first.num_prompts, first.slos):
+                raise SystemExit("the sweeps differ in workload or SLOs: run with --slos-from")
+        unloaded = _row_means([{k: tuple(v) for k, v in s.unloaded.items()} for s in sweeps])
+        return replace(
+            first,
+            unloaded={k: (ttft, tpot) for k, (ttft, tpot) in unloaded.items()},
+            recorded=_row_means([s.recorded for s in sweeps]),
+        )
+
+
+def _row_means(tables: list[dict[Key, tuple[float, ...]]]) -> dict[Key, tuple[float, ...]]:
+    """Per key every table has, the mean of each figure."""
+    keys = [k for k in tables[0] if all(k in t for t in tables)]
+    return {k: tuple(statistics.fmean(v) for v in zip(*(t[k] for t in tables))) for k in keys}
 
 
 CONFIGS = {
@@ -417,7 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--markdown", action="store_true", help="print the docs' table")
     parser.add_argument("--profile", choices=("linear", "curves"), default="linear")
-    parser.add_argument("--sweep", type=Path, default=SWEEP, help="goodput.py's JSON")
+    parser.add_argument(
+        "--sweep",
+        type=Path,
+        nargs="+",
+        default=[SWEEP],
+        help="goodput.py's JSON; several: their rows' mean (same workload and SLOs)",
+    )
     parser.add_argument(
         "--linear",
         nargs=2,
@@ -474,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     corun = None if args.no_corun else args.corun
     profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points, corun)  # type: ignore[arg-type]
     profiles = replace(profiles, grouped_prefill=args.grouped_prefill)
-    sweep = Sweep.load(args.sweep)
+    sweep = Sweep.mean([Sweep.load(path) for path in args.sweep])
     cal: Calibration | dict[str, Calibration]
     if args.per_deployment:
         cal = calibrate_per_deployment(profiles, sweep)

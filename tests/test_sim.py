@@ -354,3 +354,26 @@ def test_pdserve_plan_simulate_checks_layouts_and_thresholds(capsys: pytest.Capt
     text = capsys.readouterr().out
     assert "Simulated (pdserve.sim): 120 requests of chatbot at 2 req/s" in text
     assert "Simulator's pick: " in text and "2 threads" not in text.split("Simulated")[1]
+
+
+def test_sweeps_judged_by_the_same_slos_are_averaged_row_by_row() -> None:
+    """``sim_accuracy.py --sweep A B``: each recorded figure (and unloaded latency) is the mean
+    of the sweeps' (rows missing from one sweep left out); sweeps of other SLOs are refused."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_accuracy
+
+    sweep = sim_accuracy.Sweep.load()
+    [key, gone, *_] = sweep.recorded
+    doubled = dataclasses.replace(
+        sweep,
+        recorded={k: tuple(2 * x for x in v) for k, v in sweep.recorded.items() if k != gone},
+        unloaded={k: (3 * ttft, tpot) for k, (ttft, tpot) in sweep.unloaded.items()},
+    )
+    mean = sim_accuracy.Sweep.mean([sweep, doubled])
+    assert mean.recorded[key] == pytest.approx(tuple(1.5 * x for x in sweep.recorded[key]))
+    assert gone not in mean.recorded and len(mean.recorded) == len(sweep.recorded) - 1
+    for k, (ttft, tpot) in sweep.unloaded.items():
+        assert mean.unloaded[k] == pytest.approx((2 * ttft, tpot))
+    other_slos = {p: {**s, "ttft": s["ttft"] + 1} for p, s in sweep.slos.items()}
+    with pytest.raises(SystemExit, match="--slos-from"):
+        sim_accuracy.Sweep.mean([sweep, dataclasses.replace(sweep, slos=other_slos)])
