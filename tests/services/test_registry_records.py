@@ -46,7 +46,7 @@ from tests.services.test_registry import fast_config
 
 FP = Fingerprint("m", "ab" * 8, "cd" * 8, 16, "float32", 30, 3, 64)
 TOKEN = "registry-s3cret"
-LOGGER = "services.registry"
+LOGGER = "services.registry.view"  # RegistryView's log lines
 
 
 def good(worker_id: str, role: str = "prefill", port: int = 50051) -> WorkerRecord:
