@@ -197,7 +197,7 @@ def cmd_router_keeper(args: argparse.Namespace) -> int:
 def add_up_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
     """`pdserve up`'s (and `serve`'s) own settings, then the router's and the engine's it hands
     on, then vllm serve's flags that have no meaning here (refused, each with its reason)."""
-    from pdserve.up import ROUTER_SKIP, UpConfig
+    from pdserve.up_config import ROUTER_SKIP, UpConfig
     from pdserve.vllm_flags import add_refused_flags
     from router.config import RouterConfig
 
@@ -218,7 +218,7 @@ def add_up_args(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None
 
 
 def up_config_from_args(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from pdserve.up import UpConfig
+    from pdserve.up_config import UpConfig
 
     positional, flag = getattr(args, "model_path", None), getattr(args, "engine.model")
     if positional is not None and flag is not None and positional != flag:

@@ -48,7 +48,6 @@ taken meanwhile) is fatal.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import secrets
@@ -60,20 +59,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from common.settings import same_setting, setting, shared_with, to_flags
-from common.shared_settings import ClusterSettings, TracingSettings
 from pdserve.handover import ROUTER_STOP_SECONDS, hand_over, listen
 from pdserve.supervisor import Restartable, Supervisor
-from router.config import RouterConfig
-from services.engine.config import EngineConfig, default_num_threads
+from pdserve.up_components import Component, LineWriter, LogTail, RedisUnit, UpError
+from pdserve.up_config import UpConfig, default_log_path
 from services.redis_server import RedisServer, RedisServerError
-from services.worker.config import TRANSPORTS
-from services.worker.launcher import WorkerProcess
 
 WORKER_STOP_SECONDS = 40.0  # the workers' default drain (30 s) plus their own shutdown
 POLL_SECONDS = 0.2
@@ -81,151 +75,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 ROLL_SIGNAL = signal.SIGUSR1  # replace every component, one at a time
 
 
-class UpError(RuntimeError):
-    """A component could not start or died; the message says which and shows its last output."""
-
-
 class _ForceStop(BaseException):
     """A second signal arrived while stopping: kill instead of waiting."""
-
-
-# Router settings `up` decides itself (addresses, the registry, tracing, secrets) or hands over
-# otherwise (the API key goes by environment, not by a flag visible in `ps`).
-ROUTER_OWN = (
-    "host",
-    "port",
-    "redis_url",
-    "redis_password",
-    "redis_prefix",
-    "trace_file",
-    "otlp_endpoint",
-    "cluster_token",
-    "insecure",
-)
-# The router's settings that are the engine's (the model, its cache, the context length): given
-# to `up` once, as engine settings, and handed to the router as well as to the workers.
-ROUTER_FROM_ENGINE = shared_with(RouterConfig, EngineConfig)
-ROUTER_SKIP = (*ROUTER_OWN, *ROUTER_FROM_ENGINE)  # no flags of their own in `up`
-
-
-@dataclass(frozen=True)
-class UpConfig:
-    """What `pdserve up` starts; its own settings, plus the router's and the engine's settings it
-    hands to those components. Built once from the command line."""
-
-    prefill: int | None = setting(None, "prefill workers (none: 1, or 0 with --colocated)")
-    decode: int | None = setting(None, "decode workers (none: 1, or 0 with --colocated)")
-    colocated: int = setting(
-        0, "colocated workers instead of prefill + decode (the flag alone: 1)", const=1
-    )
-    host: str = setting(
-        "127.0.0.1",
-        "the router's bind address (0.0.0.0: every interface); Redis and the workers stay on "
-        "127.0.0.1",
-    )
-    port: int = setting(8000, "the router's HTTP port (0: any free port)")
-    transport: str = setting("tcp", "the workers' KV transport", choices=TRANSPORTS)
-    threads: int | None = setting(
-        None, "torch threads per worker (none: the cores split between the workers)"
-    )
-    ready_timeout: float = setting(180.0, "seconds to wait for the router's /ready")
-    restart: bool = setting(False, "restart a component that exits, with a growing backoff")
-    insecure: bool = same_setting(ClusterSettings, "insecure", note="and Redis without a password")
-    trace_file: str | None = same_setting(
-        TracingSettings, "trace_file", note="one file for every component"
-    )
-    verbose: bool = setting(False, "show every component's log lines here, not in --log-file")
-    log_file: str | None = setting(
-        None, "where the components' log lines go (none: ~/.cache/pdserve/logs/up-TIME.log)"
-    )
-    simulate: str | None = setting(
-        None,
-        "simulated workers with this profile (docs/simulation.md): one process per role hosts "
-        "all of that role's workers, so --prefill 16 --decode 48 fits on 2 cores",
-    )
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    router: RouterConfig = field(default_factory=RouterConfig)
-
-    def __post_init__(self) -> None:
-        if self.colocated < 0:
-            raise ValueError(f"--colocated must be >= 0, got {self.colocated}")
-        if self.colocated and (self.prefill or self.decode):
-            raise ValueError("--colocated replaces --prefill/--decode: give one or the other")
-        for name in ("num_prefill", "num_decode"):
-            value = getattr(self, name)
-            if not self.colocated and value < 1:
-                flag = "--" + name.removeprefix("num_")
-                raise ValueError(f"{flag} must be >= 1 (or use --colocated), got {value}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if self.ready_timeout <= 0:
-            raise ValueError(f"--ready-timeout must be > 0, got {self.ready_timeout}")
-        if self.simulate is not None and self.transport != "tcp":
-            raise ValueError("simulated workers move their KV over tcp (--transport tcp)")
-
-    @property
-    def num_prefill(self) -> int:
-        return 0 if self.colocated else (1 if self.prefill is None else self.prefill)
-
-    @property
-    def num_decode(self) -> int:
-        return 0 if self.colocated else (1 if self.decode is None else self.decode)
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """Workers per role."""
-        return {"prefill": self.num_prefill, "decode": self.num_decode, "colocated": self.colocated}
-
-    @property
-    def workers(self) -> list[tuple[str, str]]:
-        """(role, name) of every worker process: prefill-0.., decode-0.. or colocated-0..;
-        simulated: one per role (prefill-x16: sixteen workers in one process)."""
-        if self.simulate is not None:
-            return [(role, f"{role}-x{n}") for role, n in self.counts.items() if n]
-        return [(role, f"{role}-{i}") for role, n in self.counts.items() for i in range(n)]
-
-    def role_args(self, role: str) -> list[str]:
-        """Flags of one role's worker processes beyond ``worker_args``: a simulated pool's."""
-        if self.simulate is None:
-            return []
-        return ["--simulate", self.simulate, "--simulated-workers", str(self.counts[role])]
-
-    @property
-    def threads_per_worker(self) -> int:
-        """--threads, else the cores split evenly (oversubscribed torch pools run much slower)."""
-        if self.threads is not None:
-            return self.threads
-        if self.simulate is not None:  # simulated steps compute nothing
-            return 1
-        return max(1, default_num_threads() // len(self.workers))
-
-    def worker_args(self, redis_url: str) -> list[str]:
-        """Command-line flags of every worker: addresses, transport, threads, and every engine
-        setting given to `up` (the rest keep the workers' own defaults)."""
-        args = ["--host", "127.0.0.1", "--redis-url", redis_url]
-        args += ["--kv-transport", self.transport, "--threads", str(self.threads_per_worker)]
-        args += to_flags(self.engine, skip=("num_threads",))
-        return args + self._trace_args()
-
-    def _trace_args(self) -> list[str]:
-        """One file for every component, wherever each one runs from."""
-        return ["--trace-file", os.path.abspath(self.trace_file)] if self.trace_file else []
-
-    def router_args(self, redis_url: str, port: int | None = None) -> list[str]:
-        """Command-line flags of the router (the API key goes by environment, not in `ps`);
-        ``port`` replaces ``--port`` (a restarted router keeps the port it had)."""
-        port = self.port if port is None else port
-        args = ["--host", self.host, "--port", str(port), "--redis-url", redis_url]
-        router = replace(self.router, **{n: getattr(self.engine, n) for n in ROUTER_FROM_ENGINE})
-        args += to_flags(router, skip=(*ROUTER_OWN, "api_key"))
-        return args + self._trace_args()
-
-
-def default_log_path(cache_dir: Path) -> Path:
-    """Where a quiet `pdserve up` writes its components' log lines."""
-    return cache_dir / "logs" / f"up-{time.strftime('%Y%m%d-%H%M%S')}.log"
 
 
 def _exit_text(code: int | None) -> str:
@@ -233,13 +84,6 @@ def _exit_text(code: int | None) -> str:
     if code is not None and code < 0:
         return f"was killed by {signal.Signals(-code).name}"
     return f"exited with code {code}"
-
-
-def _exit_reason(code: int | None) -> str:
-    """'killed by SIGKILL', 'exit code 1', or '' when unknown."""
-    if code is None:
-        return ""
-    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -255,148 +99,6 @@ def _listen(host: str, port: int) -> socket.socket:
 
 def _say(message: str) -> None:
     print(f"[up] {message}", flush=True)
-
-
-class LineWriter(io.TextIOBase):
-    """stdout shared by threads: whole lines only, and a closed reader is not an error.
-
-    ``print`` writes the text and the newline separately, so two echo threads could mix their
-    lines; this keeps each thread's partial line until its newline and writes whole lines under
-    a lock. If the reader goes away (``pdserve up | head``) output is dropped, so the echo
-    threads keep draining the children's pipes and the children never block on a full pipe."""
-
-    def __init__(self, stream: TextIO):
-        self.stream = stream
-        self._lock = threading.Lock()
-        self._local = threading.local()
-        self._broken = False
-
-    def write(self, text: str) -> int:
-        pending = getattr(self._local, "pending", "") + text
-        lines, newline, self._local.pending = pending.rpartition("\n")
-        if newline:
-            with self._lock:
-                if not self._broken:
-                    try:
-                        self.stream.write(lines + newline)
-                        self.stream.flush()
-                    except (BrokenPipeError, ValueError):  # reader gone, or stream closed
-                        self._broken = True
-        return len(text)
-
-    def flush(self) -> None:
-        pass  # write() flushes every whole line
-
-
-class Component(WorkerProcess):
-    """A `pdserve <role>` child in its own session, its output echoed as ``[name] line`` to
-    ``log`` (the log file, or stdout with --verbose)."""
-
-    def __init__(
-        self,
-        name: str,
-        role: str,
-        args: list[str],
-        env: dict[str, str] | None = None,
-        log: TextIO | None = None,
-    ):
-        # A session of its own: the terminal's Ctrl-C is ours to handle, so the stop order holds.
-        super().__init__(
-            role, args, env=env, echo_prefix=f"[{name}]", new_session=True, echo_to=log
-        )
-        self.name = name
-
-    def is_ready(self) -> bool:
-        return bool(self.info)
-
-    def exit_reason(self) -> str:
-        return _exit_reason(self.proc.returncode if self.proc is not None else None)
-
-    def twin(self) -> Component:
-        """A second process of this component, same command and environment, not started."""
-        twin = Component(self.name, self.role, self.args, log=self.echo_to)
-        twin.env, twin.pass_fds = self.env, self.pass_fds
-        return twin
-
-    def respawn(self) -> int:
-        """The same command again (call it from the main thread); its ready line comes later."""
-        try:
-            self.spawn()
-        except OSError as exc:
-            raise UpError(f"could not restart {self.name}: {exc}") from exc
-        return self.pid
-
-    def describe(self) -> str:
-        """One summary line: name, pid and where it listens."""
-        info = self.info
-        where = [info.get("url", "")]
-        if "grpc_address" in info:
-            where = [f"grpc {info['grpc_address']}"]
-            where += [f"kv {info['kv_address']}"] if info.get("kv_address") else []
-            where += [f"metrics :{info['metrics_port']}"] if info.get("metrics_port") else []
-        return f"  {self.name:<12} pid {self.pid:<8} {'  '.join(where)}"
-
-
-class RedisUnit:
-    """The Redis server as the supervisor sees it: restarted on the same port (the workers'
-    --redis-url) with empty data, in the same folder (its log keeps being echoed)."""
-
-    name = "redis"
-
-    def __init__(self, redis: RedisServer):
-        self.redis = redis
-
-    def is_alive(self) -> bool:
-        return self.redis.is_running
-
-    def is_ready(self) -> bool:
-        return self.redis.is_running  # respawn() returns once it answers
-
-    def exit_reason(self) -> str:
-        return ""  # RedisServer keeps the code to itself; its log is echoed as [redis]
-
-    def respawn(self) -> int:
-        try:
-            self.redis.restart()  # blocks until it answers: milliseconds
-        except RedisServerError as exc:
-            raise UpError(f"could not restart redis-server: {exc}") from exc
-        assert self.redis.pid is not None
-        return self.redis.pid
-
-    def kill(self) -> None:
-        pass  # never called: it is ready as soon as respawn() returns
-
-
-class LogTail:
-    """Echo the lines appended to a file with a prefix (Redis logs to a file) to ``out``."""
-
-    def __init__(self, path: Path, prefix: str, out: TextIO | None = None):
-        self.path = path
-        self.prefix = prefix
-        self.out = out
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Echo what is left, then stop."""
-        self._done.set()
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        partial = ""
-        with open(self.path, errors="replace") as file:
-            while True:
-                chunk = file.readline()
-                if chunk:
-                    partial += chunk
-                    if partial.endswith("\n"):
-                        print(f"{self.prefix} {partial.rstrip()}", file=self.out, flush=True)
-                        partial = ""
-                elif self._done.is_set():
-                    return
-                else:
-                    time.sleep(0.1)
 
 
 class UpSystem:

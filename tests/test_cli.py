@@ -142,7 +142,7 @@ def test_shared_settings_are_declared_once_with_the_same_flags_and_variables():
     from common.shared_settings import ClusterSettings, RegistrySettings, TracingSettings
     from pdserve.cli import parse, router_config_from_args, worker_config_from_args
     from pdserve.profile import ProfileConfig
-    from pdserve.up import UpConfig
+    from pdserve.up_config import UpConfig
     from router.config import RouterConfig
     from services.engine.config import EngineConfig
     from services.worker.config import WorkerConfig
