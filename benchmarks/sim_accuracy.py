@@ -33,7 +33,10 @@ Two columns of predictions each:
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
         [--decode-points MEASURED_PROFILE | --no-decode-residuals] [--corun FILE | --no-corun]
-        [--per-deployment] [--decisions]
+        [--per-deployment] [--decisions] [--repeatability]
+
+``--repeatability`` (with ``--sweep A B``) also scores B's rows as a prediction of A's: how close
+a second run of the same sweep comes, in the measure the simulator is held to.
 
 ``--per-deployment`` calibrates each configuration on its own unloaded rows instead of all of
 them per thread count: ``goodput.py`` starts each configuration's workers once, and a process's
@@ -409,6 +412,29 @@ def relative_errors(rows: Compared) -> dict[str, list[float]]:
     return errors
 
 
+def repeatability(first: Sweep, second: Sweep) -> dict[str, list[float]]:
+    """The measurement against itself: per row both sweeps have, ``|second - first| / first`` of
+    each figure, the same measure as a prediction's error. A model cannot be held closer to
+    one run than a second run of the same sweep comes."""
+    errors: dict[str, list[float]] = {name: [] for name in METRICS}
+    for key, a in first.recorded.items():
+        b = second.recorded.get(key)
+        if b is None:
+            continue
+        for name, x, y in zip(METRICS, a, b):
+            errors[name].append(abs(y - x) / x if x else 0.0)
+    return errors
+
+
+def print_repeatability(paths: list[Path], sweeps: list[Sweep]) -> None:
+    print(f"the measurement against itself: {paths[1].name} as a prediction of {paths[0].name}")
+    for name, values in repeatability(sweeps[0], sweeps[1]).items():
+        if values:
+            within = sum(v <= 0.15 for v in values) / len(values)
+            median = statistics.median(values) * 100
+            print(f"  {name:14s} {median:5.1f}%   within 15%: {within:.0%} ({len(values)} rows)")
+
+
 def print_table(rows: Compared, markdown: bool) -> None:
     head = "| preset | config | rate | goodput rec / raw / cal | TTFT p50 | TTFT p90 | TPOT p50 |"
     print(head if markdown else head.replace("|", " "))
@@ -496,6 +522,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-corun", action="store_true", help="time every step as if the other core were idle"
     )
     parser.add_argument(
+        "--repeatability",
+        action="store_true",
+        help="with two sweeps: also the second's rows against the first's, as a prediction "
+        "(how close a second run of the sweep comes)",
+    )
+    parser.add_argument(
         "--per-deployment",
         action="store_true",
         help="calibrate each configuration on its own unloaded rows (its own worker processes)",
@@ -507,7 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     corun = None if args.no_corun else args.corun
     profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points, corun)  # type: ignore[arg-type]
     profiles = replace(profiles, grouped_prefill=args.grouped_prefill)
-    sweep = Sweep.mean([Sweep.load(path) for path in args.sweep])
+    sweeps = [Sweep.load(path) for path in args.sweep]
+    if args.repeatability and len(sweeps) != 2:
+        parser.error("--repeatability compares two sweeps: give --sweep FIRST SECOND")
+    sweep = Sweep.mean(sweeps)
     cal: Calibration | dict[str, Calibration]
     if args.per_deployment:
         cal = calibrate_per_deployment(profiles, sweep)
@@ -543,6 +578,8 @@ def main(argv: list[str] | None = None) -> int:
             for v in [errors[f"{m} cal"]]
         ]
         print(f"  {config:12s} " + "  ".join(cells))
+    if args.repeatability:
+        print_repeatability(args.sweep, sweeps)
     print(f"simulated in {time.perf_counter() - started:.1f} s")
     return 0
 
