@@ -412,6 +412,14 @@ def relative_errors(rows: Compared) -> dict[str, list[float]]:
     return errors
 
 
+BAR = 0.15  # #32's bar: a figure within 15% of the measured one
+
+
+def share_within(errors: list[float]) -> float:
+    """The share of rows whose |relative error| is within the bar."""
+    return sum(e <= BAR for e in errors) / len(errors)
+
+
 def repeatability(first: Sweep, second: Sweep) -> dict[str, list[float]]:
     """The measurement against itself: per row both sweeps have, ``|second - first| / first`` of
     each figure, the same measure as a prediction's error. A model cannot be held closer to
@@ -430,7 +438,7 @@ def print_repeatability(paths: list[Path], sweeps: list[Sweep]) -> None:
     print(f"the measurement against itself: {paths[1].name} as a prediction of {paths[0].name}")
     for name, values in repeatability(sweeps[0], sweeps[1]).items():
         if values:
-            within = sum(v <= 0.15 for v in values) / len(values)
+            within = share_within(values)
             median = statistics.median(values) * 100
             print(f"  {name:14s} {median:5.1f}%   within 15%: {within:.0%} ({len(values)} rows)")
 
@@ -564,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         print_decisions(rows, sweep)
     print("median |error| over the rows (and the share of rows within 15%):")
     for name, values in relative_errors(rows).items():
-        within = sum(v <= 0.15 for v in values) / len(values)
+        within = share_within(values)
         print(f"  {name:14s} {statistics.median(values) * 100:5.1f}%   within 15%: {within:.0%}")
     print("calibrated, per configuration: median |error| (share within 15%)")
     for config in CONFIGS:
@@ -573,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         errors = relative_errors(of_config)
         cells = [
-            f"{m} {statistics.median(v) * 100:.0f}% ({sum(x <= 0.15 for x in v) / len(v):.0%})"
+            f"{m} {statistics.median(v) * 100:.0f}% ({share_within(v):.0%})"
             for m in METRICS
             for v in [errors[f"{m} cal"]]
         ]
