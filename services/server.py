@@ -60,6 +60,7 @@ from services.worker.config import WorkerConfig
 from services.worker.handles import HandleChecker, PeerRecords
 from services.worker.metrics import WorkerMetrics
 from services.worker.simulation import load_profile, simulated_link_client
+from services.worker.step_log import StepLog
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,10 @@ class Worker:
             lambda: LLMEngine(engine_config, simulation, tokenizer)
         )
         self.engine = self.async_engine.engine
+        self.step_log: StepLog | None = None
+        if config.step_log:
+            self.step_log = StepLog(config.step_log, self.worker_id, config.role, self.async_engine)
+            self.async_engine.on_step(self.step_log.record)
         table = self.engine.gemm_table
         self.metrics = WorkerMetrics(
             config.role, self.async_engine.stats, gemm_paths=table.entries() if table else ()
@@ -409,6 +414,8 @@ class Worker:
         if self.peers is not None:
             await self.peers.close()
         await self.async_engine.stop()
+        if self.step_log is not None:
+            self.step_log.close()
         if self.shm_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.shm_path)

@@ -24,6 +24,7 @@ from opentelemetry import trace
 
 from common import tracing
 from services.worker.launcher import WorkerProcess
+from services.worker.step_log import read_step_log
 from tests.router.cluster import MODEL, ROUTER_ARGS, Cluster, Router, spawn_router
 from tests.services.workers import SMALL
 
@@ -39,9 +40,10 @@ def traced(redis_server, tmp_path_factory) -> Iterator[tuple[Router, Router, Pat
     trace_file = tmp_path_factory.mktemp("traces") / "spans.jsonl"
     c = Cluster(redis_server.url)
     flag = ("--trace-file", str(trace_file))
+    steps = ("--step-log", str(step_log_of(trace_file)))
     try:
         for role in ("prefill", "decode"):  # spawned together: the model loads overlap
-            worker = WorkerProcess(role, [*SMALL, *c.worker_args(*flag)])
+            worker = WorkerProcess(role, [*SMALL, *c.worker_args(*flag, *steps)])
             worker.spawn()
             c.workers.append(worker)
         router = spawn_router(c, *flag)
@@ -65,6 +67,11 @@ def traced(redis_server, tmp_path_factory) -> Iterator[tuple[Router, Router, Pat
         raise
     finally:
         c.stop()
+
+
+def step_log_of(trace_file: Path) -> Path:
+    """Where the ``traced`` workers' ``--step-log`` goes: beside their spans."""
+    return trace_file.with_name("steps.jsonl")
 
 
 def read_spans(path: Path) -> list[Span]:
@@ -183,6 +190,30 @@ def test_one_trace_across_router_prefill_transfer_and_decode(traced):  # type: i
     assert [(s["name"], s.get("status_description")) for s in spans if s["status"] == "ERROR"] == []
     # Prompts stay out of the logs without --log-requests.
     assert PROMPT not in router.process.output_tail(200)
+
+
+def test_the_step_log_times_each_step_of_a_request(traced):  # type: ignore[no-untyped-def]
+    """``--step-log``: one line per engine step, in unix seconds, from both workers into one
+    file. A disaggregated request of 8 tokens: the prefill worker's steps hold its whole prompt
+    (shorter than a block: nothing cached to skip), the decode worker's 7 steps decode it
+    alone, one after another, all within the router's span for it."""
+    router, _, trace_file = traced
+    raw = router.client().completions.with_raw_response.create(
+        model=MODEL, prompt="Step logs count each step", max_tokens=8, temperature=0
+    )
+    response = raw.parse()
+    root = one(wait_for_trace(trace_file, raw.headers["x-pdserve-trace-id"], DISAGGREGATED),
+               "POST /v1/completions")  # fmt: skip
+    start, end = root["start_unix_ns"] / 1e9, root["end_unix_ns"] / 1e9
+    lines = [s for s in read_step_log(str(step_log_of(trace_file))) if start <= s.start <= end]
+    assert all(s.start < s.end <= end for s in lines)
+    prompt = [s for s in lines if s.role == "prefill"]
+    assert sum(s.prompt_tokens for s in prompt) == response.usage.prompt_tokens
+    assert all(s.decode_sequences == 0 for s in prompt)
+    decode = [s for s in lines if s.role == "decode"]
+    assert [(s.prompt_tokens, s.decode_sequences) for s in decode] == [(0, 1)] * 7
+    assert all(a.end <= b.start for a, b in zip(decode, decode[1:]))
+    assert len({s.worker for s in prompt}) == len({s.worker for s in decode}) == 1
 
 
 def test_streaming_response_carries_the_trace_id(traced):  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -24,12 +25,29 @@ from common.sampling_params import SamplingParams
 from services.engine.kv_handoff import PullPlan
 from services.engine.llm_engine import LLMEngine
 from services.engine.outputs import RequestOutput
+from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from services.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_POLL_SECONDS = 0.05  # an idle loop (nothing admissible) looks again this often at most
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """When one engine step computed (``time.monotonic()``, read on the step thread around
+    ``engine.run``) and what it held."""
+
+    started: float
+    ended: float
+    prompt_tokens: int  # tokens of the prompt chunks in it (sequences computing > 1 token)
+    decode_sequences: int  # sequences computing one token
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch, started: float, ended: float) -> StepTiming:
+        prompt = sum(n for n in batch.num_tokens if n != 1)
+        return cls(started, ended, prompt, sum(1 for n in batch.num_tokens if n == 1))
 
 
 class OutputStream:
@@ -69,11 +87,13 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._stats = engine.stats()
         self.num_steps = 0
+        self.last_step: StepTiming | None = None  # the step just done (None: it failed)
         self._step_listeners: list[Callable[[], None]] = []
 
     def on_step(self, listener: Callable[[], None]) -> None:
         """Call ``listener`` on the event loop after every step (the prompts it advanced are
-        visible then): the prefill worker's pins announce it to the pulls waiting for blocks."""
+        visible then, and ``last_step`` times it): the prefill worker's pins announce it to the
+        pulls waiting for blocks, ``--step-log`` writes it down."""
         self._step_listeners.append(listener)
 
     @classmethod
@@ -286,8 +306,9 @@ class AsyncEngine:
                 # (hand-off 2.6 -> 1.8-1.9 decode steps, TTFT within noise: docs/benchmarks.md).
                 admitted = self._deliver_plans()
                 self._deliver_admissions()
+                self.last_step = None
                 outputs = (
-                    await loop.run_in_executor(self._executor, self.engine.run, batch)
+                    await loop.run_in_executor(self._executor, self._timed_run, batch)
                     if not batch.is_empty
                     else []
                 )
@@ -304,6 +325,14 @@ class AsyncEngine:
                 self._wake.clear()
                 if not self._pending:
                     await _wait(self._wake, IDLE_POLL_SECONDS)
+
+    def _timed_run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """``engine.run(batch)`` on the step thread, timed there: the loop's own wake-up is not
+        the step's."""
+        started = time.monotonic()
+        outputs = self.engine.run(batch)
+        self.last_step = StepTiming.of(batch, started, time.monotonic())
+        return outputs
 
     def _deliver_plans(self) -> int:
         plans = self.engine.take_pull_plans()
