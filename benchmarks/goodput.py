@@ -50,7 +50,7 @@ import shlex
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,9 +175,11 @@ def wait_workers(url: str, count: int, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def deployed(name: str, redis_url: str, router_extra: list[str]) -> Iterator[Deployment]:
-    """Start the workers of configuration ``name`` and a router (with ``router_extra`` flags);
-    stop them all afterwards."""
+def deployed(
+    name: str, redis_url: str, router_extra: list[str], worker_extra: Sequence[str] = ()
+) -> Iterator[Deployment]:
+    """Start the workers of configuration ``name`` and a router (with ``router_extra`` flags,
+    and ``worker_extra`` for every worker); stop them all afterwards."""
     prefix = f"goodput{uuid.uuid4().hex[:6]}:"
     registry = ["--redis-url", redis_url, "--redis-prefix", prefix]
     deployment = Deployment(name)
@@ -185,7 +187,8 @@ def deployed(name: str, redis_url: str, router_extra: list[str]) -> Iterator[Dep
         workers = [
             pinned_worker(
                 role,
-                [*WORKER_FLAGS, *CONFIG_FLAGS.get(name, []), "--threads", str(threads), *registry],
+                [*WORKER_FLAGS, *CONFIG_FLAGS.get(name, []), "--threads", str(threads)]
+                + [*worker_extra, *registry],
                 cores,
             )
             for role, cores, threads in CONFIGS[name]

@@ -33,6 +33,7 @@ Two columns of predictions each:
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
         [--decode-points MEASURED_PROFILE | --no-decode-residuals] [--corun FILE | --no-corun]
+        [--host-work FILE | --no-host-work]
         [--per-deployment] [--decisions] [--repeatability]
 
 ``--repeatability`` (with ``--sweep A B``) also scores B's rows as a prediction of A's: how close
@@ -45,7 +46,12 @@ speed differs from one start to the next on the sweep's VM (docs/simulator.md).
 Both workers of ``disagg``, ``disagg-cond`` and ``2xcoloc`` share the sweep's 2-core machine: a
 step started while the other worker computes takes the co-run factor measured by
 ``benchmarks/corun_slowdown.py`` (``--corun``, default ``benchmarks/profiles/zen4-corun.json``;
-``pdserve.sim.corun``); ``--no-corun`` times every step as if the other core were idle.
+``pdserve.sim.corun``); ``--no-corun`` times every step as if the other core were idle. The
+router and the load tester share that machine too: each request's arrival and end lengthen the
+steps in progress by what ``benchmarks/host_work.py`` measured there (``--host-work``, default
+``benchmarks/profiles/zen4-host-work.json``; ``pdserve.sim.host_work``); ``--no-host-work``
+leaves the steps as the profile has them. An idle host loses nothing, so the unloaded rows, and
+the calibration fitted on them, do not change.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from pdserve.profile import ThreadProfile, WorkerProfile  # noqa: E402
 from pdserve.sim.cluster import Layout, simulate  # noqa: E402
 from pdserve.sim.corun import CoRun  # noqa: E402
 from pdserve.sim.decode_residual import DecodeResiduals, with_decode_residuals  # noqa: E402
+from pdserve.sim.host_work import HostWork  # noqa: E402
 from pdserve.sim.overheads import Overheads  # noqa: E402
 from pdserve.sim.padded_prefill import with_padded_prefill  # noqa: E402
 from pdserve.sim.results import metrics_of  # noqa: E402
@@ -89,6 +96,8 @@ PROFILE = ROOT / "benchmarks" / "profiles" / "epyc-2core.json"
 MEASURED = ROOT / "benchmarks" / "profiles" / "zen4-2core.json"
 # benchmarks/corun_slowdown.py on the sweep's machine: steps beside a computing neighbour
 CORUN = ROOT / "benchmarks" / "profiles" / "zen4-corun.json"
+# benchmarks/host_work.py on the sweep's machine: steps lengthened by arrivals and finishes
+HOST_WORK = ROOT / "benchmarks" / "profiles" / "zen4-host-work.json"
 LINEAR = {1: "sim-zen4-1thread-smollm2", 2: "sim-zen4-2core-smollm2"}
 # benchmarks/goodput.py's output, kept: the run the simulator is checked against
 SWEEP = ROOT / "benchmarks" / "recorded" / "goodput-zen4.json"
@@ -218,6 +227,8 @@ class Profiles:
     # (pdserve.sim.decode_residual); empty: the lines as they are
     residuals: dict[int, DecodeResiduals] = field(default_factory=dict)
     corun: CoRun = CoRun()  # the sweep's workers share one host (pdserve.sim.corun)
+    # per worker thread count: the router and clients share it too (pdserve.sim.host_work)
+    host_work: dict[int, HostWork] = field(default_factory=dict)
     # The recorded sweep ran before the engine padded prefill per group of similar lengths
     # (kernels.reference.length_groups): all of a step's prompts in one call. A sweep since: True.
     grouped_prefill: bool = False
@@ -230,6 +241,7 @@ class Profiles:
         padded_prefill: bool = True,
         decode_points: Path | None = MEASURED,
         corun: Path | None = CORUN,
+        host_work: Path | None = HOST_WORK,
     ) -> Profiles:
         linear = {1: load_profile(linear_specs[0]), 2: load_profile(linear_specs[1])}
         residuals = {}
@@ -246,6 +258,7 @@ class Profiles:
             padded_prefill,
             residuals,
             CoRun() if corun is None else CoRun.load(corun),
+            {} if host_work is None else {t: HostWork.load(host_work, t) for t in linear},
         )
 
 
@@ -303,7 +316,10 @@ def run(profiles: Profiles, sweep: Sweep, key: tuple[str, str, float], cal: Cali
     )
     trace = trace_from_samples(samples, Schedule(rate=rate), seed=0)
     layout, worker = CONFIGS[config][0], timing(profiles, config, cal.scales)
-    result = simulate(trace, layout, worker, overheads=cal.overheads, corun=profiles.corun)
+    host_work = profiles.host_work.get(CONFIGS[config][1])
+    result = simulate(
+        trace, layout, worker, overheads=cal.overheads, corun=profiles.corun, host_work=host_work
+    )
     m = metrics_of(trace, result, sweep.slos[preset])
     s = m.stats
     return Row(
@@ -530,6 +546,17 @@ def main(argv: list[str] | None = None) -> int:
         "--no-corun", action="store_true", help="time every step as if the other core were idle"
     )
     parser.add_argument(
+        "--host-work",
+        type=Path,
+        default=HOST_WORK,
+        help="steps lengthened by each arrival and finish on the host (benchmarks/host_work.py)",
+    )
+    parser.add_argument(
+        "--no-host-work",
+        action="store_true",
+        help="the router and clients take nothing from the steps",
+    )
+    parser.add_argument(
         "--repeatability",
         action="store_true",
         help="with two sweeps: also the second's rows against the first's, as a prediction "
@@ -545,7 +572,15 @@ def main(argv: list[str] | None = None) -> int:
     linear = tuple(args.linear)
     points = None if args.no_decode_residuals else args.decode_points
     corun = None if args.no_corun else args.corun
-    profiles = Profiles.load(args.profile, linear, not args.no_padded_prefill, points, corun)  # type: ignore[arg-type]
+    host_work = None if args.no_host_work else args.host_work
+    profiles = Profiles.load(
+        args.profile,
+        linear,  # type: ignore[arg-type]
+        not args.no_padded_prefill,
+        points,
+        corun,
+        host_work,
+    )
     profiles = replace(profiles, grouped_prefill=args.grouped_prefill)
     sweeps = [Sweep.load(path) for path in args.sweep]
     if args.repeatability and len(sweeps) != 2:
@@ -566,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {threads} thread(s): prefill x{a:.2f}, decode x{b:.2f}")
         print(f"  per request outside the steps: {cal.overheads.request_s * 1000:.0f} ms")
     print(f"co-run factors (a step beside a busy worker): {profiles.corun}")
+    print(f"host work per worker thread count (per arrival / finish): {profiles.host_work}")
     rows = compare(profiles, sweep, cal)
     print_table(rows, args.markdown)
     if args.decisions:

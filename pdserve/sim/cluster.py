@@ -27,7 +27,9 @@ What each part does, as the real one does:
   (the real decode worker renews the lease while it waits for room: ``lease_renewed``).
 - **A shared host** (``corun``, off by default): all the workers on one host, as the recorded
   sweep's 2-core machine runs them; a step started while another worker is inside a step takes
-  the measured co-run factor (:mod:`pdserve.sim.corun`).
+  the measured co-run factor (:mod:`pdserve.sim.corun`). With ``host_work`` (off by default) the
+  router and the clients share that host too: each arrival and each finished request lengthens
+  the steps in progress (:mod:`pdserve.sim.host_work`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pdserve.sim.corun import CoRun
+from pdserve.sim.host_work import HostWork
 from pdserve.sim.overheads import Overheads
 from pdserve.sim.timing import WorkerTiming
 from pdserve.sim.trace import Trace
@@ -126,7 +129,8 @@ class Simulation:
     """One run of ``trace`` on ``layout``; ``timings`` per role (a role missing: ``timing``);
     ``overheads``: the costs outside the steps (:mod:`pdserve.sim.overheads`; none by default);
     ``corun``: the workers share one host, and its co-run factors (:mod:`pdserve.sim.corun`;
-    none by default: each worker on a host of its own)."""
+    none by default: each worker on a host of its own); ``host_work``: the router and clients
+    share it too (:mod:`pdserve.sim.host_work`; none by default)."""
 
     def __init__(
         self,
@@ -136,10 +140,12 @@ class Simulation:
         timings: dict[str, WorkerTiming] | None = None,
         overheads: Overheads | None = None,
         corun: CoRun | None = None,
+        host_work: HostWork | None = None,
     ):
         self.trace, self.layout = trace, layout
         self.overheads = overheads or Overheads()
         self.corun = corun or CoRun()
+        self.host_work = host_work or HostWork()
         roles = {
             "prefill": layout.num_prefill,
             "decode": layout.num_decode,
@@ -159,6 +165,8 @@ class Simulation:
         self.events: list[tuple[float, int, int, object]] = []
         self.seq = 0
         self.plans: dict[tuple[str, int], StepPlan] = {}  # the step in progress per worker
+        # when it ends: a STEP_END event at another time is one it was lengthened past
+        self.step_due: dict[tuple[str, int], float] = {}
         self.link_free: dict[int, float] = {}  # decode worker -> when its link is free
         self.pinned: dict[int, tuple[SimWorker, int]] = {}  # request -> prefill worker, blocks
         self.done: list[SimRequest] = []
@@ -209,6 +217,7 @@ class Simulation:
     # -- the router -----------------------------------------------------------------------------
 
     def arrive(self, request: SimRequest, now: float) -> None:
+        self.lengthen_steps(self.host_work.arrival_s)
         if not self.fits(request):
             self.failed.append(request)
             return
@@ -274,10 +283,24 @@ class Simulation:
         key = (worker.role, worker.worker_id)
         factor = self.corun.factor(plan, (p for k, p in self.plans.items() if k != key))
         self.plans[key] = plan
-        self.push(now + worker.step_seconds(plan) * factor, STEP_END, worker)
+        self.step_due[key] = now + worker.step_seconds(plan) * factor
+        self.push(self.step_due[key], STEP_END, worker)
+
+    def lengthen_steps(self, seconds: float) -> None:
+        """Every step in progress ends ``seconds`` later (the host's serving work took that
+        from them); the events at their old ends go stale."""
+        if seconds <= 0:
+            return
+        for key in self.plans:
+            self.step_due[key] += seconds
+            self.push(self.step_due[key], STEP_END, self.pools[key[0]].workers[key[1]])
 
     def end_step(self, worker: SimWorker, now: float) -> None:
-        plan = self.plans.pop((worker.role, worker.worker_id))
+        key = (worker.role, worker.worker_id)
+        if self.step_due.get(key) != now:
+            return  # stale: the step was lengthened (or has ended already)
+        del self.step_due[key]
+        plan = self.plans.pop(key)
         handed_off, finished = worker.finish_step(plan, now)
         pool = self.pools[worker.role]
         for request, _, _ in plan.chunks:
@@ -292,6 +315,7 @@ class Simulation:
                 pool.prompt_tokens[worker.worker_id] -= request.prompt_tokens
             self.done.append(request)
         self.kick(worker, now)
+        self.lengthen_steps(self.host_work.finish_s * len(finished))
 
     def hand_off(self, worker: SimWorker, request: SimRequest, now: float) -> None:
         """The prompt is done on a prefill worker: pin its blocks, queue it on its decode
@@ -357,10 +381,11 @@ def simulate(
     timings: dict[str, WorkerTiming] | None = None,
     overheads: Overheads | None = None,
     corun: CoRun | None = None,
+    host_work: HostWork | None = None,
 ) -> SimResult:
     """Run ``trace`` on ``layout`` (see :class:`Simulation`)."""
     if not trace.requests:
         raise ValueError("an empty trace")
     if not all(math.isfinite(r.arrival_s) for r in trace.requests):
         raise ValueError("a trace needs finite arrival times")
-    return Simulation(trace, layout, timing, timings, overheads, corun).run()
+    return Simulation(trace, layout, timing, timings, overheads, corun, host_work).run()
