@@ -3,9 +3,11 @@
 A simulated worker's :class:`~services.engine.simulation_profile.StepTimeModel` is a
 least-squares line through a measured profile's points (``benchmarks/sim_profile_fit.py``). On
 the Zen 4 VM the real engine's decode step is not linear in the batch at small batches: at 1
-thread and 32 tokens of context, 1 sequence takes 44.7 ms, 2 take 51.6 ms, 4 take 38.4 ms and 6
-39.2 ms (``benchmarks/profiles/zen4-2core.json``; the same dip at 1,024 tokens and at 2
-threads). The line puts 1-2 sequences 13-23% too low and 4-6 sequences 5-24% too high.
+thread and 32 tokens of context, 1 sequence takes 48.0 ms, 2 take 55.0 ms, 3 take 43.2 ms, 4
+40.7 ms and 6 41.4 ms (``benchmarks/profiles/zen4-2core.json``; the same dip at 1,024 tokens and
+at 2 threads: the small-batch GEMM kernel's row tiles). The line puts 1-2 sequences 16-25% too
+low and 4-6 sequences 7-20% too high. Every batch of 1-8 is measured: a batch between two
+measured ones is interpolated, and 3 sequences sit far below the 2-to-4 line.
 
 That error did not stay where it was: ``benchmarks/sim_accuracy.py`` calibrates the decode side
 on the sweep's unloaded rows, one sequence at a time, so it took the line's -15% at one
