@@ -288,6 +288,40 @@ def test_arrivals_and_finishes_lengthen_the_steps_in_progress() -> None:
         HostWork(arrival_s=-0.001)
 
 
+def test_host_work_is_measured_against_quiet_steps_of_the_same_batch() -> None:
+    """``benchmarks/host_work.py``'s measure: per batch size, the mean of the decode steps that
+    held one arrival (or one finish) less the mean of those that held neither, weighted by the
+    steps that held it; prompt steps, steps with both events and groups of fewer than 3 steps
+    are left out."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from host_work import Events, extra_ms
+
+    from services.worker.step_log import StepLine
+
+    steps, clock = [], 0.0
+
+    def step(ms: float, batch: int, prompt: int = 0) -> float:
+        nonlocal clock
+        steps.append(StepLine("w", "colocated", clock, clock + ms / 1000, prompt, batch))
+        clock += ms / 1000 + 0.001  # a gap: an event there falls in no step
+        return clock - 0.001 - ms / 2000  # the step's middle
+
+    arrivals, finishes = [], []
+    for _ in range(4):
+        step(30, 2), step(20, 4)
+    arrivals += [step(36, 2) for _ in range(3)]  # +6 ms at batch 2, 3 steps
+    arrivals += [step(22, 4) for _ in range(3)]  # +2 ms at batch 4, 3 steps
+    arrivals += [step(50, 2, prompt=40)]  # a prompt step: left out
+    arrivals += [step(40, 3) for _ in range(2)]  # batch 3 has no quiet steps: left out
+    finishes += [step(31, 2) for _ in range(4)]  # +1 ms at batch 2
+    both = step(99, 2)
+    arrivals.append(both), finishes.append(both)  # both at once: left out
+    extra = extra_ms(steps, Events(sorted(arrivals), sorted(finishes)))
+    assert extra["arrival"] == (pytest.approx(4.0), 6)  # (6 * 3 + 2 * 3) / 6
+    assert extra["finish"] == (pytest.approx(1.0), 4)
+    assert extra_ms(steps, Events([], [])) == {"arrival": (0.0, 0), "finish": (0.0, 0)}
+
+
 def test_same_seed_same_trace_same_result() -> None:
     a = preset_trace("chatbot", 50, 2.0, seed=7)
     b = preset_trace("chatbot", 50, 2.0, seed=7)
@@ -356,9 +390,10 @@ def test_the_current_engines_two_sweeps_within_bounds() -> None:
     the sweep run twice with the engine's grouped prefill, judged by the same SLOs. Against the
     rows' mean, calibrated on the unloaded rows only, the simulator stays within these medians
     and shares of rows within 15% (today: medians 1.5%, 4.2%, 4.7%, 3.0%; shares 91%, 98%, 91%,
-    100%; 86%, 91%, 84%, 91% before the host work and the profile measured 2026-11-27); and the second run, scored as a prediction
-    of the first, lands within 15% in at least 85% of rows for every figure (today 98%, 95%,
-    89%, 98%): what the simulator's shares are measured against."""
+    100%; 86%, 91%, 84%, 91% before the host work and the profile measured 2026-11-27); and the
+    second run, scored as a prediction of the first, lands within 15% in at least 85% of rows
+    for every figure (today 98%, 95%, 89%, 98%): what the simulator's shares are measured
+    against."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sim_accuracy
 
