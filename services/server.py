@@ -193,6 +193,7 @@ class Worker:
         self.metrics = WorkerMetrics(
             config.role, self.async_engine.stats, gemm_paths=table.entries() if table else ()
         )
+        self.async_engine.on_step(self._time_step)
         self.transfer_metrics = kvtransfer.TransferMetrics(self.metrics.registry)
         cfg = self.engine.model_config
         self.layout = KVLayout(
@@ -374,6 +375,11 @@ class Worker:
         while True:
             await asyncio.sleep(interval)
             await self.registration.publish_prefix_hashes(self.engine.cached_block_hashes())
+
+    def _time_step(self) -> None:
+        step = self.async_engine.last_step
+        if step is not None:  # None: the step failed
+            self.metrics.step_seconds.labels(kind=step.kind).observe(step.ended - step.started)
 
     def stop(self) -> None:
         """Begin the drain (what SIGTERM does to a standalone worker)."""

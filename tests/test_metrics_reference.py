@@ -84,3 +84,22 @@ def test_probes_are_not_counted_as_requests(scrapes) -> None:  # type: ignore[no
     counted = re.findall(r'^pdserve_router_requests_total\{endpoint="([^"]+)"', text, re.MULTILINE)
     assert "/v1/completions" in counted
     assert not {"/health", "/ready", "/v1/workers", "/metrics"} & set(counted)
+
+
+def step_counts(text: str) -> dict[str, float]:
+    """``pdserve_engine_step_seconds_count`` by ``kind``."""
+    pattern = r'^pdserve_engine_step_seconds_count\{kind="(\w+)"\} (\S+)$'
+    return {kind: float(n) for kind, n in re.findall(pattern, text, re.MULTILINE)}
+
+
+def test_engine_steps_are_counted_by_kind(scrapes) -> None:  # type: ignore[no-untyped-def]
+    """The fixture's one 2-token request: one step computed its prompt (on whichever worker the
+    router chose) and one decoded its second token on the decode worker; the prefill worker
+    never decodes, and the idle colocated worker counted nothing. Every kind is exported from
+    the start."""
+    counts = {c: step_counts(scrapes[c][1]) for c in ("prefill", "decode", "colocated")}
+    assert all(set(v) == {"prompt", "decode", "mixed"} for v in counts.values())
+    assert counts["colocated"] == {"prompt": 0, "decode": 0, "mixed": 0}
+    assert counts["prefill"]["decode"] == counts["prefill"]["mixed"] == 0
+    assert counts["prefill"]["prompt"] + counts["decode"]["prompt"] == 1
+    assert counts["decode"]["decode"] == 1 and counts["decode"]["mixed"] == 0

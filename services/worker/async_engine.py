@@ -41,13 +41,27 @@ class StepTiming:
 
     started: float
     ended: float
-    prompt_tokens: int  # tokens of the prompt chunks in it (sequences computing > 1 token)
-    decode_sequences: int  # sequences computing one token
+    prompt_tokens: int  # tokens of prompt chunks (and of contexts recomputed after preemption)
+    decode_sequences: int  # sequences computing the token after their last generated one
 
-    @classmethod
-    def of(cls, batch: ScheduledBatch, started: float, ended: float) -> StepTiming:
-        prompt = sum(n for n in batch.num_tokens if n != 1)
-        return cls(started, ended, prompt, sum(1 for n in batch.num_tokens if n == 1))
+    @property
+    def kind(self) -> str:
+        """``prompt`` (prompt chunks only), ``decode`` (decoding sequences only) or ``mixed``."""
+        if self.prompt_tokens and self.decode_sequences:
+            return "mixed"
+        return "prompt" if self.prompt_tokens else "decode"
+
+    @staticmethod
+    def contents(batch: ScheduledBatch) -> tuple[int, int]:
+        """(prompt tokens, decoding sequences) of ``batch``, read before it runs. A one-token
+        prompt is a prompt: a sequence decodes once it has generated a token."""
+        prompt = decodes = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if n == 1 and seq.num_tokens > seq.num_prompt_tokens:
+                decodes += 1
+            else:
+                prompt += n
+        return prompt, decodes
 
 
 class OutputStream:
@@ -329,9 +343,10 @@ class AsyncEngine:
     def _timed_run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """``engine.run(batch)`` on the step thread, timed there: the loop's own wake-up is not
         the step's."""
+        prompt, decodes = StepTiming.contents(batch)
         started = time.monotonic()
         outputs = self.engine.run(batch)
-        self.last_step = StepTiming.of(batch, started, time.monotonic())
+        self.last_step = StepTiming(started, time.monotonic(), prompt, decodes)
         return outputs
 
     def _deliver_plans(self) -> int:

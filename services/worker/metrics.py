@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from services.engine.stats import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+STEP_KINDS = ("prompt", "decode", "mixed")  # services.worker.async_engine.StepTiming.kind
 PREFILL_ROLES = ("prefill", "colocated")
 DECODE_ROLES = ("decode", "colocated")
 
@@ -60,6 +61,16 @@ class WorkerMetrics:
             "gRPC calls refused for a missing or wrong cluster token",
             registry=r,
         )
+        self.step_seconds = Histogram(
+            "pdserve_engine_step_seconds",
+            "Wall time of one engine step on its thread, by what it held: prompt (prompt "
+            "chunks only), decode (decoding sequences only), mixed (both)",
+            ["kind"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        for kind in STEP_KINDS:  # every series from the start, at zero
+            self.step_seconds.labels(kind=kind)
         self.grpc_malformed = Counter(
             "pdserve_grpc_malformed",
             "gRPC calls whose request bytes did not parse (answered INVALID_ARGUMENT)",
