@@ -46,7 +46,8 @@ class ClusterSettings:
 
 @dataclass(frozen=True)
 class TracingSettings:
-    """Where a component's OpenTelemetry spans go (common.tracing); none: tracing is off."""
+    """Where a component's OpenTelemetry spans go (common.tracing); none: tracing is off. And
+    where a worker's engine steps go (services/worker/step_log.py; `pdserve up` hands it on)."""
 
     trace_file: str | None = setting(
         None, "append finished OpenTelemetry spans to this file as JSON lines"
@@ -55,4 +56,9 @@ class TracingSettings:
         None,
         "export spans with OTLP/gRPC to this collector",
         fallback_env="OTEL_EXPORTER_OTLP_ENDPOINT",
+    )
+    step_log: str | None = setting(
+        None,
+        "append one JSON line per engine step to this file: when it computed and what it held "
+        "(services/worker/step_log.py)",
     )

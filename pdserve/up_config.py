@@ -59,6 +59,9 @@ class UpConfig:
     trace_file: str | None = same_setting(
         TracingSettings, "trace_file", note="one file for every component"
     )
+    step_log: str | None = same_setting(
+        TracingSettings, "step_log", note="one file for every worker"
+    )
     verbose: bool = setting(False, "show every component's log lines here, not in --log-file")
     log_file: str | None = setting(
         None, "where the components' log lines go (none: ~/.cache/pdserve/logs/up-TIME.log)"
@@ -132,6 +135,8 @@ class UpConfig:
         args = ["--host", "127.0.0.1", "--redis-url", redis_url]
         args += ["--kv-transport", self.transport, "--threads", str(self.threads_per_worker)]
         args += to_flags(self.engine, skip=("num_threads",))
+        if self.step_log:
+            args += ["--step-log", os.path.abspath(self.step_log)]
         return args + self._trace_args()
 
     def _trace_args(self) -> list[str]:

@@ -323,6 +323,18 @@ def test_up_passes_the_trace_file_to_every_component(tmp_path, monkeypatch):  # 
         assert any(args[i : i + 2] == flag for i in range(len(args))), args
     config = up_config_from_args(parse(["up"], {}))
     assert "--trace-file" not in config.worker_args("redis://x") + config.router_args("redis://x")
+    assert "--step-log" not in config.worker_args("redis://x")
+
+
+def test_up_passes_the_step_log_to_every_worker_only(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    from pdserve.cli import parse, up_config_from_args
+
+    monkeypatch.chdir(tmp_path)
+    config = up_config_from_args(parse(["up", "--step-log", "steps.jsonl"], {}))
+    args = config.worker_args("redis://x")
+    flag = ["--step-log", str(tmp_path / "steps.jsonl")]  # absolute: one file for all
+    assert any(args[i : i + 2] == flag for i in range(len(args))), args
+    assert "--step-log" not in config.router_args("redis://x")
 
 
 WRITER = """

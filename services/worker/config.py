@@ -92,11 +92,7 @@ class WorkerConfig:
     )
     trace_file: str | None = same_setting(TracingSettings, "trace_file")
     otlp_endpoint: str | None = same_setting(TracingSettings, "otlp_endpoint")
-    step_log: str | None = setting(
-        None,
-        "append one JSON line per engine step to this file: when it computed and what it held "
-        "(services/worker/step_log.py)",
-    )
+    step_log: str | None = same_setting(TracingSettings, "step_log")
     kv_faults: str | None = setting(
         None, "testing only: fail served KV pulls on purpose, e.g. 'drop=0.1,corrupt=0.1'"
     )
