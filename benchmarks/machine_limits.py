@@ -12,7 +12,8 @@ Measured, with all usable cores (torch threads):
   bfloat16 (native AVX512-BF16/AMX where the CPU has them, emulated where not), bfloat16
   weights widened to float32 for oneDNN and for MKL, plain ``torch.nn.functional.linear``
   (MKL's sgemm) in float32, and for up to 4 rows the compiled kernel that reads bfloat16
-  weights in place (``kernels/csrc/linear_bf16_cpu.c``). The limits are the best of them: the
+  weights in place (``kernels/csrc/linear_bf16_cpu.c``; for 2-16 rows its variant with bfloat16
+  dot products, where the CPU has them). The limits are the best of them: the
   machine's, not the engine's. Apart from them, the int8 GEMM (``torch._int_mm``: oneDNN, VNNI
   where the CPU has it) on int8 inputs alone, and ``--quantization int8``'s whole layer (quantize
   the rows, the GEMM, scales and bias: ``services.engine.model.int8_linear``), with their own
@@ -60,12 +61,13 @@ from services.engine.model.int8_linear import Int8Linear
 from services.engine.model.loader import load_model
 from services.engine.model.packed_linear import (
     NUM_BUCKETS,
-    SMALL_BATCH_MAX_ROWS,
     SMALL_BATCH_PATHS,
     PackedLinear,
+    bucket_bounds,
     bucket_of,
     can_run,
     native_matmul,
+    serves,
 )
 from services.engine.model.source import resolve_model_dir
 
@@ -85,6 +87,7 @@ KINDS = {
     "bfloat16 widened, MKL (F.linear)": ("bfloat16", "mkl"),
     "bfloat16 in place (ours, M<=4)": ("bfloat16", "small-batch"),
     "bfloat16 in place, 4-row tiles (ours, M<=4)": ("bfloat16", "small-batch-4"),
+    "bfloat16 in place, dot products (ours, 2<=M<=16)": ("bfloat16", "small-batch-dot"),
 }
 
 
@@ -124,7 +127,7 @@ def gemm_gflops(
     small_batch = kernels.linear_bf16 if kernels is not None else None
     linears = [nn.Linear(i, o, bias=False).to(dtype) for i, o in SHAPES * 4]
     small = any(p in SMALL_BATCH_PATHS for p in paths)
-    if small and (small_batch is None or rows > SMALL_BATCH_MAX_ROWS):
+    if small and (small_batch is None or not all(serves(p, rows) for p in paths)):
         return None
     if not all(can_run(p, x.weight, True) for p, x in zip(paths * 4, linears)):
         return None
@@ -164,10 +167,13 @@ def int8_gflops(rows: int, whole_layer: bool, kernels: Any, repeats: int) -> flo
 
 
 def every_row(path: str) -> tuple[str, ...]:
-    """``path`` for each row bucket (the small-batch kernel only for the rows it takes)."""
+    """``path`` for each row bucket (a small-batch kernel only for the rows it takes)."""
     if path not in SMALL_BATCH_PATHS:
         return (path,) * NUM_BUCKETS
-    return tuple(path if bucket_of(4) >= b else "mkl" for b in range(NUM_BUCKETS))
+    bounds = [bucket_bounds(b) for b in range(NUM_BUCKETS)]
+    return tuple(
+        path if high and serves(path, low) and serves(path, high) else "mkl" for low, high in bounds
+    )
 
 
 def engine_tables(kernels: cpu_ops.CpuKernels | None) -> dict[str, GemmTable | None]:
@@ -195,7 +201,7 @@ def main() -> int:
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rows", default="1,64,512", help="GEMM rows M, comma-separated")
+    p.add_argument("--rows", default="1,8,64,512", help="GEMM rows M, comma-separated")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args()
     threads = default_num_threads()
@@ -245,12 +251,12 @@ def main() -> int:
         f"{weight_bytes / 2**20:.0f} MiB (the bf16 weights) {summed:.1f} by torch.sum, "
         f"{kernel_rate} by the prefetching bf16 kernel: the limit is the higher"
     )
-    print(
-        f"\n{'GEMM GFLOP/s (4 layer shapes)':<36}" + "".join(f"{'M=' + str(m):>10}" for m in rows)
-    )
+    width = max(len(kind) for kind in gemm) + 2
+    title = "GEMM GFLOP/s (4 layer shapes)"
+    print(f"\n{title:<{width}}" + "".join(f"{'M=' + str(m):>10}" for m in rows))
     for kind in gemm:
         cells = "".join(f"{'n/a' if v is None else f'{v:.1f}':>10}" for v in gemm[kind].values())
-        print(f"{kind:<36}{cells}")
+        print(f"{kind:<{width}}{cells}")
     print("\nthe engine's paths (--cpu-matmul auto) per layer shape and row count:")
     for name, table in tables.items():
         source = "none" if table is None else table.source

@@ -22,7 +22,8 @@ reference. The KV write is part of ``rotary_write_kv``. The layer
 glue is compiled because at a decode batch of one its twenty-odd PyTorch operators per layer cost
 more in dispatch than in arithmetic (``kernels/csrc/layer_ops_cpu.c``). ``CpuKernels.linear_bf16``
 serves the model's linear layers (``services.engine.model.packed_linear``) at decode batches of a
-few rows, from weights copied once into the order it reads (``TiledWeight``). Under
+few rows, from weights copied once into the order it reads (``TiledWeight``): widened to float32
+(1-4 rows), or on CPUs with AVX-512 BF16 with bfloat16 dot products (1-16 rows). Under
 ``--quantization int8`` (``services.engine.model.int8_linear``) ``quantize_rows_int8`` and
 ``dequantize_int32`` are the passes around oneDNN's int8 GEMM, and ``int8_small_batch`` the whole
 layer at 1-4 rows (VNNI).
@@ -140,6 +141,10 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
 CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
 LINEAR_MAX_ROWS = 4  # rows of x linear_bf16 takes (MAX_ROWS in linear_bf16_cpu.c)
 LINEAR_ROW_TILES = (8, 4)  # weight rows it reads together (its row_tile argument)
+# The dot-product variant (CPUs with AVX-512 BF16): 4-row tiles, up to 16 rows of x
+# (DOT_MAX_ROWS in linear_bf16_cpu.c); the fused decode layers name it by a row tile of -4.
+LINEAR_DOT_MAX_ROWS = 16
+LINEAR_DOT_TILE = -4
 INT8_MAX_ROWS = 4  # rows of x linear_int8 takes (INT8_MAX_ROWS in int8_cpu.c)
 NO_VNNI = 3  # linear_int8's status where it was compiled without AVX512-VNNI
 INT32_MAX = 2**31 - 1
@@ -151,23 +156,35 @@ class TiledWeight:
     """A bfloat16 ``[out, in]`` weight in the order ``linear_bf16`` reads (see
     ``kernels/csrc/linear_bf16_cpu.c``): each group of ``row_tile`` rows stored as
     ``[in / 16][row_tile][16]``, the last ``out % row_tile`` rows as they are, so that a thread
-    reads its rows as one sequential stream. ``data`` has the weight's shape, not its order."""
+    reads its rows as one sequential stream. ``data`` has the weight's shape, not its order.
+    ``dot``: read by the dot-product variant (4-row tiles), else by the float32 kernel."""
 
     data: torch.Tensor  # [out, in] bfloat16, contiguous, tiled
     row_tile: int
+    dot: bool = False
 
     @classmethod
-    def of(cls, weight: torch.Tensor, row_tile: int) -> TiledWeight:
+    def of(cls, weight: torch.Tensor, row_tile: int, dot: bool = False) -> TiledWeight:
         """``weight`` (``[out, in]``, ``in`` a multiple of 16) copied into the tiled order."""
-        if row_tile not in LINEAR_ROW_TILES:
-            raise ValueError(f"row_tile must be one of {LINEAR_ROW_TILES}, got {row_tile}")
+        if row_tile not in LINEAR_ROW_TILES or (dot and row_tile != 4):
+            raise ValueError(f"row_tile must be one of {LINEAR_ROW_TILES} (4 with dot products)")
         out, inp = weight.shape
         if inp % LANES:
             raise ValueError(f"in_features must be a multiple of {LANES}, got {inp}")
         whole = out // row_tile * row_tile
         tiles = weight[:whole].reshape(-1, row_tile, inp // LANES, LANES).transpose(1, 2)
         data = torch.cat([tiles.reshape(-1), weight[whole:].reshape(-1)]).view(out, inp)
-        return cls(data.to(torch.bfloat16).contiguous(), row_tile)
+        return cls(data.to(torch.bfloat16).contiguous(), row_tile, dot)
+
+    @property
+    def kernel_tile(self) -> int:
+        """The row tile as the compiled calls take it: ``LINEAR_DOT_TILE`` for the dot products."""
+        return LINEAR_DOT_TILE if self.dot else self.row_tile
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows of x its kernel takes."""
+        return LINEAR_DOT_MAX_ROWS if self.dot else LINEAR_MAX_ROWS
 
     def untiled(self) -> torch.Tensor:
         """The weight in its own ``[out, in]`` order (a copy)."""
@@ -223,6 +240,11 @@ class CpuKernels:
         self._linear.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
         self._linear.argtypes += [ctypes.c_int, ctypes.c_int]
         self._linear.restype = ctypes.c_int
+        self._linear_dot = lib.linear_bf16_dot
+        self._linear_dot.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        self._linear_dot.argtypes += [ctypes.c_int, ctypes.c_int]
+        self._linear_dot.restype = ctypes.c_int
+        self.bf16_dot = bool(lib.linear_bf16_dot_available())  # built with AVX-512 BF16
         i64s = [i64] * 4
         self._norm = lib.add_rms_norm
         self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32, i32]
@@ -338,14 +360,16 @@ class CpuKernels:
         self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """``x @ W.T + bias`` in bfloat16 with float32 sums, W read in its tiled order; None
-        where the kernel does not take the inputs (more than ``LINEAR_MAX_ROWS`` rows of x, an
-        input size not a multiple of 16, not bfloat16 CPU tensors). ``bias``: float32 or
-        None. The result does not depend on ``weight.row_tile``."""
+        where the kernel does not take the inputs (more rows of x than ``weight.max_rows``, an
+        input size not a multiple of 16, not bfloat16 CPU tensors, dot products on a build
+        without them). ``bias``: float32 or None. The float32 kernel's result does not depend
+        on ``weight.row_tile``; the dot products sum in another order."""
         rows, in_features = x.shape
         data = weight.data
         out_features = data.shape[0]
         if (
-            not 1 <= rows <= LINEAR_MAX_ROWS
+            not 1 <= rows <= weight.max_rows
+            or (weight.dot and not self.bf16_dot)
             or in_features % LANES
             or data.shape != (out_features, in_features)
             or out_features < 1
@@ -367,7 +391,7 @@ class CpuKernels:
             return None
         x = x.contiguous()
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-        status = self._linear(
+        args = (
             x.data_ptr(),
             data.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -376,8 +400,11 @@ class CpuKernels:
             in_features,
             out_features,
             torch.get_num_threads(),
-            weight.row_tile,
         )
+        if weight.dot:
+            status = self._linear_dot(*args)
+        else:
+            status = self._linear(*args, weight.row_tile)
         if status != 0:
             raise RuntimeError(f"CPU bfloat16 linear kernel failed (status {status})")
         return out

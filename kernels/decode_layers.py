@@ -8,7 +8,8 @@ every layer's weight and cache pointers; each step is then one call, in which th
 for each other only where a result is needed by all of them. What it computes is bit for bit
 what the separate kernels compute (``tests/kernels/test_decode_layers.py``).
 
-It takes 1-4 sequences (the small-batch GEMV's rows), bfloat16 weights, activations and cache,
+It takes 1-4 sequences (the widening small-batch GEMV's rows; 1-16 where every linear is read
+with dot products, ``LINEAR_DOT_MAX_ROWS``), bfloat16 weights, activations and cache,
 and weights the small-batch GEMV reads in place (bfloat16 ``[out, in]``, contiguous, a
 float32 bias or none on qkv only). Which layers to hand it, and when, is the model's business
 (``services.engine.model.fused_decode``).
@@ -22,7 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu_ops import BAD_INDEX, LINEAR_MAX_ROWS, LINEAR_ROW_TILES, CpuKernels, TiledWeight
+from kernels.cpu_ops import (
+    BAD_INDEX,
+    LINEAR_DOT_MAX_ROWS,
+    LINEAR_MAX_ROWS,
+    LINEAR_ROW_TILES,
+    CpuKernels,
+    TiledWeight,
+)
 
 _ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
 
@@ -110,6 +118,11 @@ class DecodeLayers:
         if not layers:
             raise ValueError("no layers")
         self._shape_check(shape, layers)
+        dots = [linear.dot for w in layers for linear in (w.qkv, w.o, w.gate_up, w.down)]
+        if any(dots) and not kernels.bf16_dot:
+            raise ValueError("dot-product weights on a kernel built without AVX-512 BF16")
+        # The rows a step may have: the dot products take 16, the widening kernel 4.
+        self.max_rows = LINEAR_DOT_MAX_ROWS if all(dots) else LINEAR_MAX_ROWS
         self.layers = tuple(layers)  # keeps every pointer below alive
         self._fn = kernels.lib.decode_layers_bf16
         self._fn.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32]
@@ -184,7 +197,7 @@ class DecodeLayers:
             bias,
             w.key_cache.data_ptr(),
             w.value_cache.data_ptr(),
-            *(linear.row_tile for linear in linears),
+            *(linear.kernel_tile for linear in linears),
         )
 
     def run(
@@ -200,11 +213,11 @@ class DecodeLayers:
         """Every layer over ``x`` ``[rows, hidden]`` (the residual stream, updated in place)
         after adding ``delta`` (the previous layer's MLP output, or None); returns the last
         layer's MLP output, not yet added to ``x``. None where it does not take the inputs
-        (rows outside 1-4, not bfloat16 contiguous CPU tensors of these sizes)."""
+        (rows outside 1-``max_rows``, not bfloat16 contiguous CPU tensors of these sizes)."""
         rows = x.shape[0]
         cos, sin = rotary
         if (
-            not 1 <= rows <= LINEAR_MAX_ROWS
+            not 1 <= rows <= self.max_rows
             or x.shape != (rows, self.hidden)
             or x.dtype != torch.bfloat16
             or not x.is_contiguous()

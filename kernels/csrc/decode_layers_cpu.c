@@ -1,5 +1,5 @@
 /*
- * Every decoder layer of a decode step of 1-4 sequences, bfloat16, in one call and one OpenMP
+ * Every decoder layer of a decode step of 1-16 sequences, bfloat16, in one call and one OpenMP
  * region. At one sequence a layer is nine kernel calls from Python: their dispatch, thread
  * wake-ups and the pauses in the weight stream between them cost ~4 ms of a 15 ms step on a Zen 4
  * core pair, where the weight reads themselves take ~10 ms. Here the threads stay up for the whole
@@ -17,7 +17,8 @@
 #include "decode_parts.h"
 #include "vec16.h"
 
-#define MAX_ROWS 4         /* the small-batch GEMV's (linear_bf16_cpu.c) */
+#define MAX_ROWS 16        /* the dot-product GEMV's (linear_bf16_cpu.c) */
+#define WIDENED_MAX_ROWS 4 /* the float32 one's: more rows only where every linear has dots */
 #define MAX_HEAD_DIM 256   /* layer_ops_cpu.c's rotary */
 
 /* One layer's weights (bfloat16, nn.Linear's [out, in]) and KV cache. */
@@ -26,7 +27,9 @@ typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down;
     const float *qkv_bias; /* [qkv features] float32, or NULL */
     void *key_cache, *value_cache; /* [num_blocks, block_size, kv_heads, head_dim], strides below */
-    int32_t qkv_tile, o_tile, gate_up_tile, down_tile; /* weight rows the GEMV reads together */
+    /* Weight rows the GEMV reads together: 4 or 8 (the float32 kernel), or LINEAR_DOT_TILE (the
+     * 4-row tiles read by bfloat16 dot products, linear_bf16_cpu.c). */
+    int32_t qkv_tile, o_tile, gate_up_tile, down_tile;
 } DecodeLayer;
 
 /* The model's sizes and its caches' layout: the same for every step. */
@@ -60,7 +63,21 @@ static Job attention_job(const DecodeShape *shape, const DecodeStep *step,
                  out, 1};
 }
 
-static int valid_tile(int32_t tile) { return tile == 4 || tile == 8; }
+/* The calling thread's share of one linear over bfloat16 `x` [rows, in]: widened into its `xf`
+ * for the float32 kernel, or read as it is by the dot-product one. */
+static void linear_share(const uint16_t *x, float *xf, const uint16_t *w, const float *bias,
+                         uint16_t *y, int rows, int tile, int in, int out) {
+    if (tile == LINEAR_DOT_TILE) {
+        linear_bf16_dot_share(x, w, bias, y, rows, in, out);
+        return;
+    }
+    widen(x, xf, (int64_t)rows * in);
+    linear_bf16_share(xf, w, bias, y, rows, tile, in, out);
+}
+
+static int valid_tile(int32_t tile) {
+    return tile == 4 || tile == 8 || (tile == LINEAR_DOT_TILE && linear_bf16_dot_available());
+}
 
 /* 1 where the kernel does not take these sizes, 3 for a slot or block outside the cache, else 0
  * (checked before anything is written). */
@@ -73,9 +90,12 @@ static int check(const DecodeLayer *layers, int32_t num_layers, const DecodeShap
         return 1;
     for (int32_t l = 0; l < num_layers; l++) {
         const DecodeLayer *layer = &layers[l];
-        if (!valid_tile(layer->qkv_tile) || !valid_tile(layer->o_tile) ||
-            !valid_tile(layer->gate_up_tile) || !valid_tile(layer->down_tile))
-            return 1;
+        const int32_t tiles[4] = {layer->qkv_tile, layer->o_tile, layer->gate_up_tile,
+                                  layer->down_tile};
+        for (int i = 0; i < 4; i++)
+            if (!valid_tile(tiles[i]) ||
+                (step->rows > WIDENED_MAX_ROWS && tiles[i] != LINEAR_DOT_TILE))
+                return 1;
     }
     for (int32_t t = 0; t < step->rows; t++)
         if (step->slots[t] < 0 || step->slots[t] >= shape->num_blocks * shape->block_size)
@@ -124,9 +144,8 @@ int decode_layers_bf16(const DecodeLayer *layers, int32_t num_layers, const Deco
                 add_rms_norm_bf16_serial(x, l == 0 && !has_delta ? NULL : delta,
                                          layer->input_norm, h, rows, hidden, shape->eps);
 #pragma omp barrier
-            widen(h, xf, (int64_t)rows * hidden);
-            linear_bf16_share(xf, layer->qkv, layer->qkv_bias, qkv, rows, layer->qkv_tile,
-                              hidden, qkv_size);
+            linear_share(h, xf, layer->qkv, layer->qkv_bias, qkv, rows, layer->qkv_tile, hidden,
+                         qkv_size);
 #pragma omp barrier
             if (thread == 0)
                 rotary_write_kv_bf16_serial(qkv, step->cos, step->sin, step->slots,
@@ -141,19 +160,16 @@ int decode_layers_bf16(const DecodeLayer *layers, int32_t num_layers, const Deco
                  item += threads)
                 attention_item_bf16(&job, item, attention_scratch);
 #pragma omp barrier
-            widen(attended, xf, (int64_t)rows * q_size);
-            linear_bf16_share(xf, layer->o, NULL, o, rows, layer->o_tile, q_size, hidden);
+            linear_share(attended, xf, layer->o, NULL, o, rows, layer->o_tile, q_size, hidden);
 #pragma omp barrier
             if (thread == 0)
                 add_rms_norm_bf16_serial(x, o, layer->post_norm, h, rows, hidden, shape->eps);
 #pragma omp barrier
-            widen(h, xf, (int64_t)rows * hidden);
-            linear_bf16_share(xf, layer->gate_up, NULL, gate_up, rows, layer->gate_up_tile,
-                              hidden, 2 * inter);
+            linear_share(h, xf, layer->gate_up, NULL, gate_up, rows, layer->gate_up_tile, hidden,
+                         2 * inter);
 #pragma omp barrier
             silu_mul_bf16_serial(gate_up, act, rows, inter);
-            widen(act, xf, (int64_t)rows * inter);
-            linear_bf16_share(xf, layer->down, NULL, delta, rows, layer->down_tile, inter, hidden);
+            linear_share(act, xf, layer->down, NULL, delta, rows, layer->down_tile, inter, hidden);
 #pragma omp barrier
         }
     }

@@ -40,6 +40,14 @@ void attention_item_bf16(const Job *job, int64_t item, float *scratch);
 void linear_bf16_share(const float *xf, const uint16_t *w, const float *bias, uint16_t *y,
                        int rows, int row_tile, int in, int out);
 
+/* linear_bf16_cpu.c, the dot-product variant: the calling thread's share over x as stored
+ * ([rows, in] bfloat16, rows 1-16) and W in 4-row tiles; 1 (nothing done) on a CPU without
+ * AVX-512 BF16, which linear_bf16_dot_available() tells. A fused layer names it by this tile. */
+#define LINEAR_DOT_TILE (-4)
+int linear_bf16_dot_share(const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *y,
+                          int rows, int in, int out);
+int linear_bf16_dot_available(void);
+
 /* layer_ops_cpu.c, bfloat16 rows on the calling thread (the contracts of add_rms_norm,
  * rotary_write_kv and silu_mul, without their checks). */
 void add_rms_norm_bf16_serial(void *x, const void *delta, const void *weight, void *out,

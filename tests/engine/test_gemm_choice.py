@@ -30,11 +30,12 @@ pytestmark = pytest.mark.skipif(
 
 # Fake seconds per call, by path and rows: each bucket has another winner.
 COSTS = {
-    "native": {1: 9.0, 4: 9.0, 16: 1.0, 64: 5.0, 256: 2.0},
-    "float32": {1: 8.0, 4: 8.0, 16: 3.0, 64: 4.0, 256: 1.0},
-    "mkl": {1: 7.0, 4: 1.0, 16: 2.0, 64: 1.0, 256: 9.0},
+    "native": {1: 9.0, 4: 9.0, 8: 9.0, 16: 1.0, 64: 5.0, 256: 2.0},
+    "float32": {1: 8.0, 4: 8.0, 8: 8.0, 16: 3.0, 64: 4.0, 256: 1.0},
+    "mkl": {1: 7.0, 4: 1.0, 8: 3.0, 16: 2.0, 64: 1.0, 256: 9.0},
     "small-batch": {1: 1.0, 4: 2.0},
     "small-batch-4": {1: 1.5, 4: 0.5},
+    "small-batch-dot": {4: 3.0, 8: 0.5, 16: 4.0},
 }
 
 
@@ -76,7 +77,7 @@ def tiny_model(dtype: torch.dtype) -> nn.ModuleDict:
 def expected(weight: torch.Tensor) -> tuple[str, ...]:
     """The fastest candidate of ``weight`` per bucket under ``COSTS``."""
     paths = candidate_paths(weight, has_small_batch=True)
-    rows = (1, 4, 16, 64, 256)
+    rows = (1, 4, 8, 16, 64, 256)
     return tuple(min((p for p in paths if r in COSTS[p]), key=lambda p: COSTS[p][r]) for r in rows)
 
 
@@ -94,6 +95,8 @@ def test_the_fastest_candidate_wins_each_bucket(dtype: torch.dtype) -> None:
             assert times[path] == min(times.values())
     if dtype == torch.bfloat16 and "small-batch" in candidate_paths(model["up"].weight, True):
         assert table.paths[(128, 64)][:2] == ("small-batch", "small-batch-4")
+    if dtype == torch.bfloat16 and "small-batch-dot" in candidate_paths(model["up"].weight, True):
+        assert table.paths[(128, 64)][2] == "small-batch-dot"
 
 
 def test_a_near_tie_goes_to_the_path_with_less_weight_memory() -> None:
@@ -110,6 +113,12 @@ def test_a_path_one_bucket_would_use_gives_way_to_a_near_one_the_others_use() ->
     assert gemm_choice.fewer_formats(["mkl"] + ["native"] * 4, near) == ("native",) * 5
     far = [{"native": 1.2, "mkl": 1.0}, *others]
     assert gemm_choice.fewer_formats(["mkl"] + ["native"] * 4, far)[0] == "mkl"
+    # small-batch at one row beside the dot products elsewhere: small-batch-4, whose copy of the
+    # weights the dot products read, within 10% of it, takes its place.
+    dots = [{"small-batch-dot": 1.0, "native": 2.0}] * 2 + [{"native": 1.0}] * 3
+    one = [{"small-batch": 1.0, "small-batch-4": 1.08, "native": 3.0}, *dots]
+    chosen = ["small-batch", "small-batch-dot", "small-batch-dot"] + ["native"] * 3
+    assert gemm_choice.fewer_formats(chosen, one)[0] == "small-batch-4"
 
 
 def test_a_far_slower_path_stops_being_timed() -> None:
@@ -190,8 +199,10 @@ def test_auto_packs_each_layer_with_its_shapes_table(tmp_path: Path) -> None:
 
 
 def test_row_buckets() -> None:
-    assert [bucket_of(r) for r in (1, 2, 4, 5, 16, 17, 64, 65, 4096)] == [0, 1, 1, 2, 2, 3, 3, 4, 4]
-    assert [bucket_label(i) for i in range(NUM_BUCKETS)] == ["1", "2-4", "5-16", "17-64", "65+"]
+    rows = (1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 4096)
+    assert [bucket_of(r) for r in rows] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    labels = ["1", "2-4", "5-8", "9-16", "17-64", "65+"]
+    assert [bucket_label(i) for i in range(NUM_BUCKETS)] == labels
 
 
 def test_a_workers_metrics_export_the_table(tmp_path: Path) -> None:
@@ -210,3 +221,19 @@ def test_a_workers_metrics_export_the_table(tmp_path: Path) -> None:
         line = f'pdserve_gemm_path_info{{path="{path}",rows="{rows}",shape="{shape}"}} 1.0'
         assert line in text
     assert text.count("pdserve_gemm_path_info{") == 2 * NUM_BUCKETS
+
+
+def test_a_cached_table_that_breaks_the_row_rules_is_refused() -> None:
+    """A path on rows it does not serve (a table written by another version) is not read: the
+    chooser then measures again, as for an unreadable file."""
+    entry = {"out": 8, "in": 16, "names": ["up"], "seconds": []}
+    data = {"dtype": "bfloat16", "shapes": [entry]}
+    entry["paths"] = ["small-batch-4", "small-batch-dot"] + ["native"] * (NUM_BUCKETS - 2)
+    assert GemmTable.from_json(data).paths[(8, 16)][1] == "small-batch-dot"
+    for paths in (
+        ["small-batch-dot"] * 2 + ["native"] * (NUM_BUCKETS - 2),  # dot products at one row
+        ["small-batch"] * 3 + ["native"] * (NUM_BUCKETS - 3),  # the widening kernel at 5-8
+    ):
+        entry["paths"] = paths
+        with pytest.raises(ValueError, match="does not serve rows"):
+            GemmTable.from_json(data)

@@ -6,12 +6,14 @@ import pytest
 import torch
 from torch import nn
 
+from kernels.cpu_ops import TiledWeight
 from services.engine.model.packed_linear import (
     PackedLinear,
     can_run,
     candidate_paths,
     onednn_supports,
     pack_linears,
+    weight_format,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -62,6 +64,7 @@ def test_which_paths_run_which_weights() -> None:
     assert can_run("float32", torch.zeros(4, 4, dtype=torch.float16))  # widened
     assert can_run("small-batch", bf16, has_small_batch=True)
     assert can_run("small-batch-4", bf16, has_small_batch=True)
+    assert can_run("small-batch-dot", bf16, True) == torch.cpu._is_avx512_bf16_supported()
     assert not can_run("small-batch", bf16) and not can_run("small-batch", torch.zeros(4, 16), True)
     assert not can_run("mkl", torch.zeros(4))
     assert candidate_paths(torch.zeros(4, 16)) == ("native", "mkl")  # float32 is native here
@@ -114,16 +117,41 @@ def test_a_layer_runs_each_bucket_on_its_own_path() -> None:
     calls: list[tuple[int, int]] = []
 
     def kernel(x, weight, bias):  # type: ignore[no-untyped-def]
-        calls.append((len(x), weight.row_tile))
+        calls.append((len(x), weight.kernel_tile))
         return reference(linear, x).to(torch.bfloat16)
 
-    paths = ("small-batch-4", "small-batch", "mkl", "float32", "mkl")
+    paths = ("small-batch-4", "small-batch", "small-batch-dot", "mkl", "float32", "mkl")
     layer = PackedLinear(linear, paths, kernel)
     with torch.inference_mode():
-        for rows in (1, 4, 5, 64, 65, 300):
+        for rows in (1, 4, 5, 8, 9, 64, 65, 300):
             x = torch.randn(rows, 32).to(torch.bfloat16)
             torch.testing.assert_close(layer(x).float(), reference(linear, x), atol=2e-2, rtol=2e-2)
-    assert calls == [(1, 4), (4, 8)]  # each small-batch path reads its own number of rows
-    for small in ("small-batch", "small-batch-4"):
-        with pytest.raises(ValueError, match="at most 4 rows"):
+    # each small-batch path reads its own tiles: 4 rows, 8, 4 with dot products
+    assert calls == [(1, 4), (4, 8), (5, -4), (8, -4)]
+    for small in ("small-batch", "small-batch-4", "small-batch-dot"):
+        with pytest.raises(ValueError, match=f"{small} serves"):
             PackedLinear(linear, small, kernel)
+    with pytest.raises(ValueError, match="small-batch-4 serves 1-4 rows: not 5-8"):
+        PackedLinear(linear, ("small-batch-4",) * 3 + ("mkl",) * 3, kernel)
+    with pytest.raises(ValueError, match="small-batch-dot serves 2-16 rows: not 1"):
+        PackedLinear(linear, ("small-batch-dot",) * 3 + ("mkl",) * 3, kernel)
+
+
+def test_the_dot_products_read_the_four_row_tiles_copy() -> None:
+    """small-batch-4 and small-batch-dot in one layer hold one tiled copy of the weight, and
+    the chooser counts them as one format."""
+    linear = nn.Linear(32, 16).to(torch.bfloat16)
+    seen: list[TiledWeight] = []
+
+    def kernel(x, weight, bias):  # type: ignore[no-untyped-def]
+        seen.append(weight)
+        return reference(linear, x).to(torch.bfloat16)
+
+    paths = ("small-batch-4", "small-batch-dot", "small-batch-dot", "mkl", "mkl", "mkl")
+    layer = PackedLinear(linear, paths, kernel)
+    with torch.inference_mode():
+        layer(torch.randn(1, 32).to(torch.bfloat16))
+        layer(torch.randn(3, 32).to(torch.bfloat16))
+    assert [w.dot for w in seen] == [False, True]
+    assert seen[0].data.data_ptr() == seen[1].data.data_ptr()
+    assert weight_format("small-batch-dot") == weight_format("small-batch-4") == "small-batch-4"

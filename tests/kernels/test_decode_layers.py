@@ -1,11 +1,13 @@
 """The fused decode layers (``kernels.decode_layers``, ``services.engine.model.fused_decode``):
-a decode step of 1-4 sequences through every layer in one compiled call gives, bit for bit, the
+a decode step of 1-4 sequences (1-8 here with dot products) through every layer in one compiled
+call gives, bit for bit, the
 hidden states and KV cache of the same step through the separate kernels, and declines (runs
 nothing) whatever it does not take.
 
 The model is a small random one (GQA, a qkv bias, several blocks of context), in bfloat16 with its
 linears on the small-batch kernel at 1-4 rows, as the engine packs them on a CPU where that kernel
-is the fastest.
+is the fastest: the widening kernel's two tiles, or (on CPUs with AVX-512 BF16) its dot-product
+variant.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from services.engine.model.packed_linear import NUM_BUCKETS, pack_linears
 from services.engine.model_runner import ModelRunner
 from tests.conftest import tiny_model_config
 
-BLOCK_SIZE, NUM_BLOCKS, MAX_CONTEXT = 16, 48, 100
+BLOCK_SIZE, NUM_BLOCKS, MAX_CONTEXT = 16, 64, 100
 CONFIG = tiny_model_config(
     vocab_size=96,
     hidden_size=128,
@@ -38,18 +40,28 @@ def small_batch_paths(one_row: str, few_rows: str) -> tuple[str, ...]:
     return (one_row, few_rows) + ("native",) * (NUM_BUCKETS - 2)
 
 
-@pytest.fixture(scope="module")
-def runner(kernel: cpu_ops.CpuKernels) -> ModelRunner:
+# Paths for rows 1, 2-4 and 5-8 (then oneDNN), and the rows the fused call then serves.
+TABLES = {
+    "widened": (("small-batch-4", "small-batch", "native"), {1, 2, 3, 4}),
+    "dot": (("small-batch-4", "small-batch-dot", "small-batch-dot"), set(range(1, 9))),
+}
+
+
+@pytest.fixture(scope="module", params=list(TABLES))
+def runner(kernel: cpu_ops.CpuKernels, request: pytest.FixtureRequest) -> ModelRunner:
     """A bfloat16 model whose linears run the 4-row tile at one row and the 8-row tile at 2-4
-    rows (both tiles, in one model), with the runner that owns its cache (and builds the fused
-    call over it)."""
+    rows (both tiles, in one model), or the 4-row tile at one row and the dot products at 2-8
+    rows, with the runner that owns its cache (and builds the fused call over it)."""
+    if request.param == "dot" and not kernel.bf16_dot:
+        pytest.skip("the dot-product variant needs AVX-512 BF16, which this CPU lacks")
     torch.manual_seed(0)
     model = LlamaModel(CONFIG).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     model = model.to(torch.bfloat16)
-    paths = small_batch_paths("small-batch-4", "small-batch")
+    small, _ = TABLES[request.param]
+    paths = small + ("native",) * (NUM_BUCKETS - len(small))
     assert pack_linears(model, lambda name, linear: paths, kernel.linear_bf16) == 13
     runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, torch.bfloat16, attention=kernel)
     with torch.no_grad():
@@ -101,7 +113,7 @@ def forward(
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(data=st.data(), rows=st.integers(1, 4))
+@given(data=st.data(), rows=st.integers(1, 8))
 def test_fused_step_equals_the_separate_kernels(
     kernel: cpu_ops.CpuKernels, runner: ModelRunner, data: st.DataObject, rows: int
 ) -> None:
@@ -116,8 +128,10 @@ def test_fused_step_equals_the_separate_kernels(
         return  # more than the pool holds
     ids = data.draw(st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=rows, max_size=rows))
     meta = decode_meta(kernel, lens, tables)
-    assert runner.model.fused_decode is not None
-    assert runner.model.fused_decode.by_rows.keys() == {1, 2, 3, 4}
+    fused = runner.model.fused_decode
+    assert fused is not None and fused.by_rows.keys() in [TABLES[t][1] for t in TABLES]
+    if rows not in fused.by_rows:
+        return  # the widening kernel's table: 1-4 rows
     fused_hidden, fused_cache = forward(runner, ids, lens, meta, fused=True)
     hidden, cache = forward(runner, ids, lens, meta, fused=False)
     assert torch.equal(fused_hidden, hidden)
@@ -136,10 +150,11 @@ def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels, runner: Mode
     prefill = decode_meta(kernel, [5], [[3]])
     prefill.num_decode_tokens = 0
     assert fused.run(x, rotary, runner.layer_caches, prefill) is None
-    five = torch.zeros(5, CONFIG.hidden_size, dtype=torch.bfloat16)
-    rotary5 = runner.model.rope.tables(torch.arange(5), torch.bfloat16)
-    meta5 = decode_meta(kernel, [5] * 5, [[i] for i in range(5)])
-    assert fused.run(five, rotary5, runner.layer_caches, meta5) is None  # the GEMV takes 1-4
+    more = max(fused.by_rows) + 1  # 5, or 9 with the dot products: oneDNN's rows in this table
+    many = torch.zeros(more, CONFIG.hidden_size, dtype=torch.bfloat16)
+    rotary_many = runner.model.rope.tables(torch.arange(more), torch.bfloat16)
+    meta_many = decode_meta(kernel, [5] * more, [[i] for i in range(more)])
+    assert fused.run(many, rotary_many, runner.layer_caches, meta_many) is None
 
 
 def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(

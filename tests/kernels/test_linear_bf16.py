@@ -29,6 +29,11 @@ NATIVE = pytest.mark.skipif(
 )
 
 
+def needs_dot(kernel: cpu_ops.CpuKernels) -> None:
+    if not kernel.bf16_dot:
+        pytest.skip("the dot-product variant needs AVX-512 BF16, which this CPU lacks")
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = x.float() @ weight.float().T
     return (y if bias is None else y + bias).to(torch.bfloat16)
@@ -57,6 +62,28 @@ def test_matches_float32_math_on_bfloat16_values(
     assert torch.equal(kernel.linear_bf16(x, TiledWeight.of(weight, 4), b), eight)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 13, 16])
+@pytest.mark.parametrize("in_features", [576, 1536])
+@pytest.mark.parametrize("out_features", [960, 1001])  # 1001: one feature past the 4-row tiles
+@pytest.mark.parametrize("bias", [False, True])
+def test_dot_products_match_float32_math_on_bfloat16_values(
+    kernel: cpu_ops.CpuKernels, rows: int, in_features: int, out_features: int, bias: bool
+) -> None:
+    """The dot-product variant, 1-16 rows in passes of up to six: within one bfloat16 step of
+    float32 math (its sums run in another order than the widening kernel's)."""
+    needs_dot(kernel)
+    torch.manual_seed(rows + in_features + out_features)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features) if bias else None
+    y = kernel.linear_bf16(x, TiledWeight.of(weight, 4, dot=True), b)
+    assert y is not None
+    assert_within_one_ulp(y, reference(x, weight, b))
+    for row in (0, rows - 1):  # a row's result does not depend on the rows beside it
+        alone = kernel.linear_bf16(x[row : row + 1], TiledWeight.of(weight, 4, dot=True), b)
+        assert torch.equal(alone, y[row : row + 1])
+
+
 @pytest.mark.parametrize("row_tile", [4, 8])
 @pytest.mark.parametrize("out_features", [8, 13, 64])
 def test_tiled_order_round_trips(row_tile: int, out_features: int) -> None:
@@ -74,6 +101,8 @@ def test_tiled_order_round_trips(row_tile: int, out_features: int) -> None:
         assert torch.equal(tiled.data[-tail:], weight[-tail:].to(torch.bfloat16))
     with pytest.raises(ValueError, match="row_tile must be one of"):
         TiledWeight.of(weight, 5)
+    with pytest.raises(ValueError, match="4 with dot products"):
+        TiledWeight.of(weight, 8, dot=True)
     with pytest.raises(ValueError, match="multiple of 16"):
         TiledWeight.of(weight[:, :24], 4)
 
@@ -89,6 +118,10 @@ def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels) -> None:
     assert kernel.linear_bf16(x[:1, :40], forty, None) is None  # 40 % 16
     assert kernel.linear_bf16(x[:1, :32], TiledWeight(plain[:, :32], 8), None) is None  # strided
     assert kernel.linear_bf16(x[:1], TiledWeight(weight.data, 5), None) is None  # no such tile
+    if kernel.bf16_dot:  # the dot products take 16 rows, not 17
+        dot = TiledWeight.of(plain, 4, dot=True)
+        assert kernel.linear_bf16(torch.randn(16, 64).bfloat16(), dot, None) is not None
+        assert kernel.linear_bf16(torch.randn(17, 64).bfloat16(), dot, None) is None
 
 
 def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
@@ -99,6 +132,9 @@ def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
     bias = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, float("nan"), 0, 0, 0, 0, 0])
     y = kernel.linear_bf16(x, TiledWeight.of(weight, 8), bias)
     assert y[0, 0].item() == 1.0 and y[0, 1].item() == 1 + 2.0**-6 and y[0, 2].isnan()
+    if kernel.bf16_dot:  # the dot products' sums are rounded the same way
+        dot = kernel.linear_bf16(x, TiledWeight.of(weight, 4, dot=True), bias)
+        assert torch.equal(dot.view(torch.int16), y.view(torch.int16))  # NaN's bits too
 
 
 def test_linear_declines_shapes_that_disagree(kernel: cpu_ops.CpuKernels) -> None:
@@ -132,7 +168,7 @@ def test_packed_bf16_linear_matches_float32_math(
         calls.append(len(x))
         return kernel.linear_bf16(x, w, b)
 
-    packed = PackedLinear(linear, ("small-batch", "small-batch", large, large, large), counted)
+    packed = PackedLinear(linear, ("small-batch", "small-batch") + (large,) * 4, counted)
     x = torch.randn(rows, 576).to(torch.bfloat16)
     with torch.inference_mode():
         out = packed(x)
@@ -148,7 +184,7 @@ def test_a_tied_head_computes_from_the_embedding(kernel: cpu_ops.CpuKernels) -> 
     head = nn.Linear(32, 64, bias=False).to(torch.bfloat16)
     head.weight = embedding.weight
     model = nn.ModuleDict({"embed": embedding, "head": head})
-    paths = ("small-batch", "small-batch", "float32", "float32", "float32")
+    paths = ("small-batch", "small-batch", "float32", "float32", "float32", "float32")
     assert pack_linears(model, lambda name, linear: paths, kernel.linear_bf16) == 1
     x = torch.randn(1, 32).to(torch.bfloat16)
     with torch.inference_mode():

@@ -1,14 +1,16 @@
 """The decoder layers of a small decode step as one compiled call, where the model allows it.
 
-At a decode batch of 1-4 sequences the layers' linears run the small-batch kernel (a GEMV bound
-by the weight read), and what else a layer does costs more in dispatch than in arithmetic:
-``kernels.decode_layers`` runs every layer in one call instead of nine per layer. Its result is
-the separate kernels' bit for bit, so this is a speed choice with nothing else to it.
+At a decode batch of 1-4 sequences (1-16 where the CPU has bfloat16 dot products) the layers'
+linears run a small-batch kernel (a GEMV bound by the weight read), and what else a layer does
+costs more in dispatch than in arithmetic: ``kernels.decode_layers`` runs every layer in one call
+instead of nine per layer. Its result is the separate kernels' bit for bit, so this is a speed
+choice with nothing else to it.
 
 ``FusedDecode.build`` prepares it once, for the KV cache its owner (the model runner) hands it,
-and for each row count 1-4 at which every linear of every layer runs a small-batch path
-(``PackedLinear.small_batch_gemm``): bfloat16 weights on CPU with the compiled kernels loaded. Any
-other step (prefill tokens, more rows, another cache) goes through the layers one by one.
+and for each row count at which every linear of every layer runs a small-batch path
+(``PackedLinear.small_batch_gemm``): bfloat16 weights on CPU with the compiled kernels loaded; at
+5-16 rows only the dot products serve. Any other step (prefill tokens, more rows, another cache)
+goes through the layers one by one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from kernels.cpu_ops import LINEAR_MAX_ROWS, CpuKernels
+from kernels.cpu_ops import LINEAR_DOT_MAX_ROWS, CpuKernels
 from kernels.decode_layers import DecodeLayers, LayerWeights, ModelShape
 from services.engine.model.packed_linear import PackedLinear
 
@@ -54,7 +56,7 @@ def _layer_weights(
 
 
 class FusedDecode:
-    """The prepared call per row count (1-4) for ``kv_caches``; see ``run``."""
+    """The prepared call per row count (1-16) for ``kv_caches``; see ``run``."""
 
     def __init__(
         self, kernels: CpuKernels, kv_caches: KvCaches, by_rows: dict[int, DecodeLayers]
@@ -80,7 +82,7 @@ class FusedDecode:
         # By the weights' identities: row counts served by the same tiled copies share a call.
         prepared: dict[tuple[int, ...], DecodeLayers] = {}
         by_rows: dict[int, DecodeLayers] = {}
-        for rows in range(1, LINEAR_MAX_ROWS + 1):
+        for rows in range(1, LINEAR_DOT_MAX_ROWS + 1):
             weights = [
                 _layer_weights(cast("DecoderLayer", layer), rows, kv)
                 for layer, kv in zip(model.layers, kv_caches)

@@ -51,20 +51,22 @@ from services.engine.model.packed_linear import (
     NUM_BUCKETS,
     PATHS,
     ROW_BUCKETS,
-    SMALL_BATCH_MAX_ROWS,
     SMALL_BATCH_PATHS,
     Gemm,
     PathChooser,
     SmallBatchLinear,
+    bucket_bounds,
     bucket_label,
     can_run,
     candidate_paths,
     make_gemm,
+    serves,
+    weight_format,
 )
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 3  # of the cache file and how it is measured: part of its key
+FORMAT = 4  # of the cache file and how it is measured: part of its key
 TIE_TOLERANCE = 0.03
 FORMAT_TOLERANCE = 0.10  # a bucket's own weight format must save more than this (see below)
 MIN_SAMPLES, MAX_SAMPLES = 3, 16  # timed calls of each path per row bucket
@@ -138,8 +140,12 @@ class GemmTable:
     def from_json(cls, data: dict, source: str = "cache") -> GemmTable:
         shapes = data["shapes"]
         for entry in shapes:
-            if len(entry["paths"]) != NUM_BUCKETS or not set(entry["paths"]) <= set(PATHS):
-                raise ValueError(f"not a path per row bucket: {entry['paths']}")
+            paths = entry["paths"]
+            if len(paths) != NUM_BUCKETS or not set(paths) <= set(PATHS):
+                raise ValueError(f"not a path per row bucket: {paths}")
+            for bucket, path in enumerate(paths):  # a table written under other rules
+                if not all(serves(path, rows) for rows in bucket_bounds(bucket) if rows):
+                    raise ValueError(f"{path} does not serve rows {bucket_label(bucket)}")
         return cls(
             dtype=data["dtype"],
             paths={(s["out"], s["in"]): tuple(s["paths"]) for s in shapes},
@@ -191,17 +197,18 @@ def timed_weight(linear: nn.Linear) -> torch.Tensor:
 
 
 def fewer_formats(chosen: list[str], seconds: list[dict[str, float]]) -> tuple[str, ...]:
-    """``chosen`` with a path that only one bucket uses replaced by one the others use, where
-    that one is within ``FORMAT_TOLERANCE`` of it there: each path holds its own copy of the
-    weights, and a few percent on one bucket (noise, often) is not worth a second copy of a
-    large model's weights."""
+    """``chosen`` with a path whose copy of the weights only one bucket reads replaced by one
+    that reads a copy the others read, where that one is within ``FORMAT_TOLERANCE`` of it
+    there: each copy is held in memory, and a few percent on one bucket (noise, often) is not
+    worth a second copy of a large model's weights."""
     paths = list(chosen)
     for bucket, path in enumerate(paths):
-        others = set(paths[:bucket] + paths[bucket + 1 :])
-        if path in others:
+        others = {weight_format(p) for p in paths[:bucket] + paths[bucket + 1 :]}
+        if weight_format(path) in others:
             continue
         times = seconds[bucket]
-        near = [q for q in others if times.get(q, math.inf) <= times[path] * (1 + FORMAT_TOLERANCE)]
+        limit = times[path] * (1 + FORMAT_TOLERANCE)
+        near = [q for q in times if weight_format(q) in others and times[q] <= limit]
         if near:
             paths[bucket] = min(near, key=lambda q: times[q])
     return tuple(paths)
@@ -244,7 +251,7 @@ def measure_shape(
         cursor = dict.fromkeys(paths, 0)
         for bucket in range(NUM_BUCKETS):
             rows = bucket_rows(bucket)
-            alive = [p for p in paths if p not in SMALL_BATCH_PATHS or rows <= SMALL_BATCH_MAX_ROWS]
+            alive = [p for p in paths if serves(p, rows)]
             x = torch.randn(rows, weight.shape[1]).to(weight.dtype)
             for p in alive:
                 gemms[p][0](x)  # warm-up: oneDNN builds its kernel for this row count once

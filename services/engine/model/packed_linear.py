@@ -17,6 +17,12 @@ The paths (``PATHS``), each computing ``y = x @ W.T + b`` from the same weights:
   weight as one sequential stream per thread and skips oneDNN's per-call overhead. It reads
   eight weight rows at a time; ``small-batch-4`` is the same kernel reading four (the same
   result; which is faster depends on the CPU).
+- ``small-batch-dot``: on CPUs with AVX-512 BF16, the same copy of the weight as
+  ``small-batch-4`` read with bfloat16 dot products instead of widened, for 2-16 rows: with
+  nothing to widen it reads the weights faster at 3-8 rows of x (Zen 4: 1.5x the widening kernel
+  at 4, 1.25x oneDNN at 8). Not at one row, where both stream the weights as fast: chosen there,
+  it made a single stream 5% slower inside the fused decode step (its per-call timing, which the
+  chooser sees, was faster).
 
 Which path runs is a table per layer: one path per row bucket (``ROW_BUCKETS``), chosen by
 measurement at engine start (``services.engine.model.gemm_choice``) or forced by
@@ -36,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_ops import TiledWeight
+from kernels.cpu_ops import LINEAR_DOT_MAX_ROWS, LINEAR_MAX_ROWS, TiledWeight
 
 
 class SmallBatchLinear(Protocol):
@@ -51,15 +57,24 @@ class SmallBatchLinear(Protocol):
 # x [rows, in] contiguous -> y [rows, out] (in any dtype; the layer casts), or None: declined.
 Gemm = Callable[[torch.Tensor], torch.Tensor | None]
 
-PATHS = ("native", "float32", "mkl", "small-batch", "small-batch-4")
-SMALL_BATCH_PATHS = {"small-batch": 8, "small-batch-4": 4}  # path -> weight rows read together
-FORCEABLE_PATHS = PATHS[:3]  # the small-batch kernel takes 1-4 rows only: never the only path
+PATHS = ("native", "float32", "mkl", "small-batch", "small-batch-4", "small-batch-dot")
+SMALL_BATCH_PATHS = {"small-batch": 8, "small-batch-4": 4, "small-batch-dot": 4}  # -> row tile
+FORCEABLE_PATHS = PATHS[:3]  # the small-batch kernels take up to 16 rows: never the only path
 MATMUL_MODES = ("auto", *FORCEABLE_PATHS)
-SMALL_BATCH_MAX_ROWS = 4  # kernels.cpu_ops.LINEAR_MAX_ROWS (imported lazily by the engine)
+SMALL_BATCH_MAX_ROWS = LINEAR_MAX_ROWS  # the widening kernel's
+# The rows of x each small-batch path serves (first, last).
+ROWS_SERVED = {
+    "small-batch": (1, SMALL_BATCH_MAX_ROWS),
+    "small-batch-4": (1, SMALL_BATCH_MAX_ROWS),
+    "small-batch-dot": (2, LINEAR_DOT_MAX_ROWS),
+}
+# Paths that read another path's copy of the weights (one copy in memory for both).
+SHARED_FORMAT = {"small-batch-dot": "small-batch-4"}
 # Upper bounds of the row buckets a path is chosen for; rows above the last form one more.
-# 1 and 2-4: the small-batch kernel's range; 17-64: decode batches; 65+: prefill chunks (at
-# 256 rows and more every path is bound by arithmetic: one choice serves them all).
-ROW_BUCKETS = (1, 4, 16, 64)
+# 1 and 2-4: the widening small-batch kernel's range; 5-8: where the dot products still beat
+# oneDNN (9-16: about even on a Zen 4); 17-64: decode batches; 65+: prefill chunks (at 256 rows
+# and more every path is bound by arithmetic: one choice serves them all).
+ROW_BUCKETS = (1, 4, 8, 16, 64)
 NUM_BUCKETS = len(ROW_BUCKETS) + 1
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -69,12 +84,28 @@ def bucket_of(rows: int) -> int:
     return bisect.bisect_left(ROW_BUCKETS, rows)
 
 
+def serves(path: str, rows: int) -> bool:
+    """Whether ``path`` runs GEMMs of ``rows`` rows of x."""
+    first, last = ROWS_SERVED.get(path, (1, rows))
+    return first <= rows <= last
+
+
+def weight_format(path: str) -> str:
+    """The copy of the weights ``path`` reads, named by the path that owns it."""
+    return SHARED_FORMAT.get(path, path)
+
+
+def bucket_bounds(index: int) -> tuple[int, int | None]:
+    """The first and last rows of a bucket (None: no last)."""
+    low = 1 if index == 0 else ROW_BUCKETS[index - 1] + 1
+    return low, ROW_BUCKETS[index] if index < len(ROW_BUCKETS) else None
+
+
 def bucket_label(index: int) -> str:
     """``1``, ``2-4`` ... ``257+``."""
-    low = 1 if index == 0 else ROW_BUCKETS[index - 1] + 1
-    if index == len(ROW_BUCKETS):
+    low, high = bucket_bounds(index)
+    if high is None:
         return f"{low}+"
-    high = ROW_BUCKETS[index]
     return str(high) if low == high else f"{low}-{high}"
 
 
@@ -115,7 +146,9 @@ def can_run(path: str, weight: torch.Tensor, has_small_batch: bool = False) -> b
     if path == "float32":
         return onednn_supports(torch.float32)
     if path in SMALL_BATCH_PATHS:
-        return has_small_batch and weight.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0
+        cpu = path != "small-batch-dot" or torch.cpu._is_avx512_bf16_supported()
+        bf16 = weight.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0
+        return cpu and has_small_batch and bf16
     return True  # mkl
 
 
@@ -136,10 +169,12 @@ def make_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     small_batch: SmallBatchLinear | None = None,
+    tiles: dict[int, torch.Tensor] | None = None,
 ) -> Gemm:
     """``path``'s GEMM over ``weight`` and ``bias``, with the weight in the format it reads
     (held by the returned function). A float32 weight for ``mkl`` is used as is: a tied LM head
-    stays shared with the embedding."""
+    stays shared with the embedding. ``tiles``: tiled copies by row tile, filled and reused
+    (so that the small-batch paths of one layer share a copy where they read the same)."""
     if path in ("native", "float32"):
         compute = weight.dtype if path == "native" else torch.float32
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(compute).contiguous(), None)
@@ -159,7 +194,10 @@ def make_gemm(
 
         return mkl
     if path in SMALL_BATCH_PATHS and small_batch is not None:
-        tiled = TiledWeight.of(weight, SMALL_BATCH_PATHS[path])
+        row_tile, shared = SMALL_BATCH_PATHS[path], {} if tiles is None else tiles
+        if row_tile not in shared:
+            shared[row_tile] = TiledWeight.of(weight, row_tile).data
+        tiled = TiledWeight(shared[row_tile], row_tile, dot=path == "small-batch-dot")
         float_bias = None if bias is None else bias.float().contiguous()
         return SmallBatchGemm(small_batch, tiled, float_bias)
     raise ValueError(f"no GEMM for path {path!r}")
@@ -195,12 +233,16 @@ class PackedLinear(nn.Module):
         self.paths = (paths,) * NUM_BUCKETS if isinstance(paths, str) else tuple(paths)
         if len(self.paths) != NUM_BUCKETS:
             raise ValueError(f"need one path per row bucket ({NUM_BUCKETS}), got {self.paths}")
-        if self.paths[-1] in SMALL_BATCH_PATHS:
-            raise ValueError("the small-batch kernel takes at most 4 rows: not for every row count")
+        for index, path in enumerate(self.paths):
+            low, high = bucket_bounds(index)
+            if path in ROWS_SERVED and not (serves(path, low) and high and serves(path, high)):
+                first, last = ROWS_SERVED[path]
+                raise ValueError(f"{path} serves {first}-{last} rows: not {bucket_label(index)}")
         with torch.no_grad():
             weight = linear.weight.detach()
             bias = None if linear.bias is None else linear.bias.detach()
-            gemms = {p: make_gemm(p, weight, bias, small_batch) for p in set(self.paths)}
+            tiles: dict[int, torch.Tensor] = {}
+            gemms = {p: make_gemm(p, weight, bias, small_batch, tiles) for p in set(self.paths)}
         by_bucket = [gemms[p] for p in self.paths]
         # A list indexed by the row count: the lookup costs nothing at one row.
         self._by_rows = [by_bucket[bucket_of(max(rows, 1))] for rows in range(ROW_BUCKETS[-1] + 1)]
