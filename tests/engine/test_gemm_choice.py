@@ -237,3 +237,32 @@ def test_a_cached_table_that_breaks_the_row_rules_is_refused() -> None:
         entry["paths"] = paths
         with pytest.raises(ValueError, match="does not serve rows"):
             GemmTable.from_json(data)
+
+
+def test_a_bucket_goes_to_the_small_batch_paths_where_the_layers_can_run_as_one_call() -> None:
+    """At a bucket where every decoder-layer shape has a small-batch path within 25% of its
+    fastest, each takes it (the fused decode step then runs); one shape 30% behind keeps the
+    bucket as timed; the head's shape is left to its own timing."""
+    dot, native = "small-batch-dot", "native"
+
+    def times(dot_at_16: float) -> list[dict[str, float]]:  # the dot products serve 2-16 rows
+        alone = {native: 1.0}
+        return [alone, *[{native: 1.0, dot: 1.1}] * 2, {native: 1.0, dot: dot_at_16}, alone, alone]
+
+    def table(gate_up_dot: float) -> GemmTable:
+        return GemmTable(
+            dtype="bfloat16",
+            paths={(8, 4): (native,) * 6, (16, 4): (native,) * 6, (64, 4): (native,) * 6},
+            names={(8, 4): ["qkv_proj"], (16, 4): ["gate_up_proj"], (64, 4): ["lm_head"]},
+            seconds={(8, 4): times(1.1), (16, 4): times(gate_up_dot), (64, 4): times(1.1)},
+        )
+
+    near = table(1.18)
+    gemm_choice.prefer_fused(near)
+    fused = (native, dot, dot, dot, native, native)
+    assert near.paths[(8, 4)] == near.paths[(16, 4)] == fused
+    assert near.paths[(64, 4)] == (native,) * 6  # the head is not in the fused call
+    far = table(1.3)
+    gemm_choice.prefer_fused(far)
+    assert far.paths[(16, 4)][3] == native and far.paths[(8, 4)][3] == native
+    assert far.paths[(16, 4)][2] == dot
