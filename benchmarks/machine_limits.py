@@ -129,6 +129,8 @@ def gemm_gflops(
     small = any(p in SMALL_BATCH_PATHS for p in paths)
     if small and (small_batch is None or not all(serves(p, rows) for p in paths)):
         return None
+    if "small-batch-dot" in paths and not (kernels is not None and kernels.bf16_dot):
+        return None  # a build without the dot products: its layers would time the fallback
     if not all(can_run(p, x.weight, True) for p, x in zip(paths * 4, linears)):
         return None
     layers = [PackedLinear(x, every_row(p), small_batch) for p, x in zip(paths * 4, linears)]

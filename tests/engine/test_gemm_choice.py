@@ -39,6 +39,9 @@ COSTS = {
 }
 
 
+DECLINED: set[str] = set()  # paths whose fake kernel declines every input (as a build without them)
+
+
 class FakeClock:
     """A clock that moves only when a fake GEMM runs; counts the readings."""
 
@@ -55,8 +58,9 @@ def fake_maker(clock: FakeClock):  # type: ignore[no-untyped-def]
     """A ``GemmMaker`` whose GEMMs cost ``COSTS`` on ``clock`` and compute nothing."""
 
     def make(path: str, weight: torch.Tensor, bias, small_batch):  # type: ignore[no-untyped-def]
-        def gemm(x: torch.Tensor) -> None:
+        def gemm(x: torch.Tensor) -> torch.Tensor | None:
             clock.now += COSTS[path][len(x)]
+            return None if path in DECLINED else x
 
         return gemm
 
@@ -266,3 +270,17 @@ def test_a_bucket_goes_to_the_small_batch_paths_where_the_layers_can_run_as_one_
     gemm_choice.prefer_fused(far)
     assert far.paths[(16, 4)][3] == native and far.paths[(8, 4)][3] == native
     assert far.paths[(16, 4)][2] == dot
+
+
+def test_a_path_whose_kernel_declines_is_not_chosen() -> None:
+    """A small-batch kernel that returns None (a library built without the CPU's dot products)
+    is dropped at its warm-up call: the bucket goes to the fastest path that computes."""
+    model = tiny_model(torch.bfloat16)
+    clock = FakeClock()
+    DECLINED.add("small-batch-dot")
+    try:
+        table = gemm_choice.measure(model, never_called, clock, make=fake_maker(clock))
+    finally:
+        DECLINED.clear()
+    for paths in table.paths.values():
+        assert "small-batch-dot" not in paths
