@@ -302,7 +302,9 @@ def read_record(worker_id: str, text: str | bytes, token: str | None) -> WorkerR
         raise RecordError(_describe(exc)) from None
     if record.worker_id != worker_id:
         raise RecordError("its worker_id differs from the key it is stored under")
-    if token and not hmac.compare_digest(record.proof, record_proof(record, token)):
+    # As bytes: compare_digest refuses str holding non-ASCII, which a corrupted proof may.
+    expected = record_proof(record, token).encode() if token else b""
+    if token and not hmac.compare_digest(record.proof.encode(), expected):
         what = "no proof" if not record.proof else "a proof that does not match its identity"
         raise RecordError(f"{what} under this cluster token (forged, or another token's)")
     return record

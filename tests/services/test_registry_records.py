@@ -314,6 +314,16 @@ def test_a_corrupted_record_is_rejected_or_fully_typed(text: str) -> None:
         assert token is None  # unsigned: a token holder never accepts it
 
 
+def test_a_proof_with_non_ascii_characters_is_refused_not_raised() -> None:
+    """hmac.compare_digest raises TypeError on str holding non-ASCII: a corrupted proof such
+    as "\\u0080" (found by the property test above) must be a RecordError like any other."""
+    data = good_dict("w1")
+    data["proof"] = "\u0080"
+    with pytest.raises(RecordError, match="a proof that does not match its identity"):
+        read_record("w1", json.dumps(data), TOKEN)
+    assert read_record("w1", json.dumps(data), None).proof == "\u0080"  # unsigned readers
+
+
 def test_the_wire_model_covers_every_field() -> None:
     assert set(RecordModel.model_fields) == {f.name for f in dataclasses.fields(WorkerRecord)}
     assert KV_TRANSPORTS == kvtransfer.TRANSPORTS
