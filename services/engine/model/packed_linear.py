@@ -68,8 +68,6 @@ ROWS_SERVED = {
     "small-batch-4": (1, SMALL_BATCH_MAX_ROWS),
     "small-batch-dot": (2, LINEAR_DOT_MAX_ROWS),
 }
-# Paths that read another path's copy of the weights (one copy in memory for both).
-SHARED_FORMAT = {"small-batch-dot": "small-batch-4"}
 # Upper bounds of the row buckets a path is chosen for; rows above the last form one more.
 # 1 and 2-4: the widening small-batch kernel's range; 5-8: where the dot products still beat
 # oneDNN (9-16: about even on a Zen 4); 17-64: decode batches; 65+: prefill chunks (at 256 rows
@@ -91,8 +89,11 @@ def serves(path: str, rows: int) -> bool:
 
 
 def weight_format(path: str) -> str:
-    """The copy of the weights ``path`` reads, named by the path that owns it."""
-    return SHARED_FORMAT.get(path, path)
+    """The copy of the weights ``path`` reads, named by the first path that reads it: the
+    small-batch paths of one row tile share one tiled copy (``make_gemm``)."""
+    if path not in SMALL_BATCH_PATHS:
+        return path
+    return next(p for p, tile in SMALL_BATCH_PATHS.items() if tile == SMALL_BATCH_PATHS[path])
 
 
 def bucket_bounds(index: int) -> tuple[int, int | None]:
