@@ -28,6 +28,7 @@ from services.engine.model_runner import ModelRunner, attention_backend
 from services.engine.scheduler import ScheduledBatch
 from services.engine.sequence import Sequence
 from tests.conftest import tiny_model_config
+from tests.kernels.conftest import seed_cache
 
 BLOCK_SIZE = 16
 NUM_LAYERS = 3
@@ -324,7 +325,10 @@ def test_a_missing_compiler_is_named_in_a_warning(caplog: pytest.LogCaptureFixtu
 
 # ----- the engine's config decides -------------------------------------------------------------
 @needs_compiler
-def test_engine_config_cache_dir_places_the_kernel(tmp_path: Path) -> None:
+def test_engine_config_cache_dir_places_the_kernel(
+    tmp_path: Path, kernel: cpu_ops.CpuKernels
+) -> None:
+    seed_cache(kernel, tmp_path)  # the session's build, where one built here would go
     backend = attention_backend(EngineConfig(cache_dir=str(tmp_path)))
     assert isinstance(backend, cpu_ops.CpuKernels)
     assert backend.path.parent == tmp_path / "kernels"
@@ -361,7 +365,7 @@ def test_cpu_kernels_switch_from_environment_and_flags(
 
 @needs_compiler
 def test_model_runner_runs_the_configured_kernel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: cpu_ops.CpuKernels
 ) -> None:
     """A decode step through ``ModelRunner`` and the model takes the compiled kernel the config
     chose, and gives the reference's logits."""
@@ -385,6 +389,7 @@ def test_model_runner_runs_the_configured_kernel(
         return logits
 
     expected = decode_logits("reference")
+    seed_cache(kernel, tmp_path)
     backend = attention_backend(EngineConfig(cache_dir=str(tmp_path)))
     assert isinstance(backend, cpu_ops.CpuKernels)
 
