@@ -17,8 +17,10 @@ Reported: per case and arrangement the median step time, and the ratio co-run / 
 the median over the cases) go into a profile file the simulator reads
 (``pdserve/sim/corun.py``), with the command and machine.
 
-    python benchmarks/corun_slowdown.py [--rounds 3] \
+    python benchmarks/corun_slowdown.py [--rounds 3] [--chunks 256,1024] \
         [--write-profile benchmarks/profiles/zen4-corun.json]
+    python benchmarks/corun_slowdown.py --pool RUN1/corun_slowdown.json RUN2/... \
+        [--write-profile ...]   # runs of the same cases pooled: each case's medians over all
 
 About 1.5 minutes on the Zen 4 VM (2 cores); needs 2 usable cores and a quiet machine.
 Writes benchmarks/results/corun_slowdown.json.
@@ -69,6 +71,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--neighbour-chunk", type=int, default=512)
     parser.add_argument("--write-profile", type=Path, default=None)
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="measure nothing: pool the step times of earlier runs' corun_slowdown.json (each "
+        "case's medians over all their rounds) and report and write them as one run",
+    )
     parser.add_argument("--neighbour", choices=["decode", "prefill"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.batch_sizes = [int(n) for n in args.batch_sizes.split(",")]
@@ -218,6 +228,18 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     return times
 
 
+def pooled(paths: list[Path]) -> tuple[dict[str, dict[str, list[float]]], list[str]]:
+    """The step times of earlier runs, case by case and arrangement by arrangement, together;
+    and their commands. Only the cases every run has."""
+    runs = [json.loads(path.read_text()) for path in paths]
+    cases = [c for c in runs[0]["times_s"] if all(c in run["times_s"] for run in runs)]
+    times = {
+        case: {kind: [t for run in runs for t in run["times_s"][case][kind]] for kind in NEIGHBOURS}
+        for case in cases
+    }
+    return times, [run["command"] for run in runs]
+
+
 def summarize(times: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     summary = {}
     for case, by_kind in times.items():
@@ -245,14 +267,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.neighbour:
         run_neighbour(args.neighbour, args)
         return 0
-    if not {0, 1} <= os.sched_getaffinity(0):
-        raise SystemExit("needs cores 0 and 1")
     command = "python " + shlex.join(sys.argv)
-    machine = machine_info(1, probe_cores=True)
-    print(f"$ {command}\nmachine: {machine['cpu']}, load avg {machine['load_avg_1m_at_start']}")
-    print(describe_read_scaling(machine["read_scaling"]))
-    os.sched_setaffinity(0, {0})
-    times = measure(args)
+    pooled_from: list[str] = []
+    if args.pool:
+        times, pooled_from = pooled(args.pool)
+        machine = json.loads(args.pool[0].read_text())["machine"]
+        print(f"$ {command}\npooled from:\n  " + "\n  ".join(pooled_from))
+    else:
+        if not {0, 1} <= os.sched_getaffinity(0):
+            raise SystemExit("needs cores 0 and 1")
+        machine = machine_info(1, probe_cores=True)
+        print(f"$ {command}\nmachine: {machine['cpu']}, load avg {machine['load_avg_1m_at_start']}")
+        print(describe_read_scaling(machine["read_scaling"]))
+        os.sched_setaffinity(0, {0})
+        times = measure(args)
     summary = summarize(times)
     print(
         f"\n{'case':<16}{'idle ms':>9}{'+decode ms':>12}{'ratio':>7}{'+prefill ms':>13}{'ratio':>7}"
@@ -267,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.date.today().isoformat(),
         "machine": machine,
         "factors": factors(summary),
+        **({"pooled_from": pooled_from} if pooled_from else {}),
         "summary": summary,
         "times_s": times,
     }
@@ -274,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "corun_slowdown.json").write_text(json.dumps(result, indent=1))
     if args.write_profile:
-        profile = {k: result[k] for k in ("command", "date", "factors", "summary")}
+        keys = ("command", "date", "factors", "pooled_from", "summary")
+        profile = {k: result[k] for k in keys if k in result}
         profile["machine"] = f"{machine['cpu']}, 2 cores; 1-thread float32 engines on cores 0 and 1"
         args.write_profile.write_text(json.dumps(profile, indent=1) + "\n")
     return 0

@@ -32,12 +32,14 @@ Two columns of predictions each:
 
     python benchmarks/sim_accuracy.py [--profile linear|curves] [--markdown] [--sweep FILE]
         [--linear ONE_THREAD_PROFILE TWO_THREAD_PROFILE] [--no-padded-prefill]
-        [--decode-points MEASURED_PROFILE | --no-decode-residuals] [--corun FILE | --no-corun]
+        [--decode-points MEASURED_PROFILE | --no-decode-residuals]
+        [--corun FILE [--corun-one-prompt-factor] | --no-corun]
         [--host-work FILE | --no-host-work]
         [--per-deployment] [--decisions] [--repeatability]
 
 ``--repeatability`` (with ``--sweep A B``) also scores B's rows as a prediction of A's: how close
-a second run of the same sweep comes, in the measure the simulator is held to.
+a second run of the same sweep comes, in the measure the simulator is held to. With three runs or
+more, each is scored against the mean of the others.
 
 ``--per-deployment`` calibrates each configuration on its own unloaded rows instead of all of
 them per thread count: ``goodput.py`` starts each configuration's workers once, and a process's
@@ -46,7 +48,9 @@ speed differs from one start to the next on the sweep's VM (docs/simulator.md).
 Both workers of ``disagg``, ``disagg-cond`` and ``2xcoloc`` share the sweep's 2-core machine: a
 step started while the other worker computes takes the co-run factor measured by
 ``benchmarks/corun_slowdown.py`` (``--corun``, default ``benchmarks/profiles/zen4-corun.json``;
-``pdserve.sim.corun``); ``--no-corun`` times every step as if the other core were idle. The
+``pdserve.sim.corun``): a prompt step beside a decoding one takes the ratio measured at its
+prompt's size (``--corun-one-prompt-factor``: the median over the sizes for every prompt step);
+``--no-corun`` times every step as if the other core were idle. The
 router and the load tester share that machine too: each request's arrival and end lengthen the
 steps in progress by what ``benchmarks/host_work.py`` measured there (``--host-work``, default
 ``benchmarks/profiles/zen4-host-work.json``; ``pdserve.sim.host_work``); ``--no-host-work``
@@ -62,6 +66,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
@@ -156,27 +161,33 @@ class Sweep:
         )
 
     @classmethod
-    def mean(cls, sweeps: list[Sweep]) -> Sweep:
+    def mean(cls, sweeps: list[Sweep], median: bool = False) -> Sweep:
         """The row-by-row mean of sweeps of one workload judged by the same SLOs (goodput.py
-        ``--slos-from``): each row's own noise divided by about the root of their number. The
-        routing decisions are the first sweep's."""
+        ``--slos-from``): each row's own noise divided by about the root of their number. With
+        ``median``, the row-by-row median: one run whose deployment started slow moves it
+        less (docs/simulator.md). The routing decisions are the first sweep's."""
         first = sweeps[0]
         for other in sweeps[1:]:
             same = (other.input_scale, other.output_scale, other.num_prompts, other.slos)
             if same != (first.input_scale, first.output_scale, first.num_prompts, first.slos):
                 raise SystemExit("the sweeps differ in workload or SLOs: run with --slos-from")
-        unloaded = _row_means([{k: tuple(v) for k, v in s.unloaded.items()} for s in sweeps])
+        average = statistics.median if median else statistics.fmean
+        tables = [{k: tuple(v) for k, v in s.unloaded.items()} for s in sweeps]
+        unloaded = _row_averages(tables, average)
         return replace(
             first,
             unloaded={k: (ttft, tpot) for k, (ttft, tpot) in unloaded.items()},
-            recorded=_row_means([s.recorded for s in sweeps]),
+            recorded=_row_averages([s.recorded for s in sweeps], average),
         )
 
 
-def _row_means(tables: list[dict[Key, tuple[float, ...]]]) -> dict[Key, tuple[float, ...]]:
-    """Per key every table has, the mean of each figure."""
+def _row_averages(
+    tables: list[dict[Key, tuple[float, ...]]],
+    average: Callable[[list[float]], float] = statistics.fmean,
+) -> dict[Key, tuple[float, ...]]:
+    """Per key every table has, the average of each figure."""
     keys = [k for k in tables[0] if all(k in t for t in tables)]
-    return {k: tuple(statistics.fmean(v) for v in zip(*(t[k] for t in tables))) for k in keys}
+    return {k: tuple(average(list(v)) for v in zip(*(t[k] for t in tables))) for k in keys}
 
 
 CONFIGS = {
@@ -257,7 +268,7 @@ class Profiles:
             linear,
             padded_prefill,
             residuals,
-            CoRun() if corun is None else CoRun.load(corun),
+            CoRun() if corun is None else CoRun.load(corun, by_prompt_tokens=True),
             {} if host_work is None else {t: HostWork.load(host_work, t) for t in linear},
         )
 
@@ -450,13 +461,32 @@ def repeatability(first: Sweep, second: Sweep) -> dict[str, list[float]]:
     return errors
 
 
+def held_out(sweeps: list[Sweep]) -> list[dict[str, list[float]]]:
+    """With three or more runs of a sweep: each run scored as a prediction of the mean of the
+    others, as ``repeatability`` scores a second run against a first."""
+    return [
+        repeatability(Sweep.mean(sweeps[:i] + sweeps[i + 1 :]), sweep)
+        for i, sweep in enumerate(sweeps)
+    ]
+
+
 def print_repeatability(paths: list[Path], sweeps: list[Sweep]) -> None:
-    print(f"the measurement against itself: {paths[1].name} as a prediction of {paths[0].name}")
-    for name, values in repeatability(sweeps[0], sweeps[1]).items():
-        if values:
-            within = share_within(values)
-            median = statistics.median(values) * 100
-            print(f"  {name:14s} {median:5.1f}%   within 15%: {within:.0%} ({len(values)} rows)")
+    if len(sweeps) == 2:
+        print(f"the measurement against itself: {paths[1].name} as a prediction of {paths[0].name}")
+        scored = [(paths[1].name, repeatability(sweeps[0], sweeps[1]))]
+    else:
+        print("the measurement against itself: each run as a prediction of the others' mean")
+        scored = [(path.name, errors) for path, errors in zip(paths, held_out(sweeps))]
+    for label, errors in scored:
+        if len(scored) > 1:
+            print(f"  {label}")
+        for name, values in errors.items():
+            if values:
+                within = share_within(values)
+                median = statistics.median(values) * 100
+                print(
+                    f"  {name:14s} {median:5.1f}%   within 15%: {within:.0%} ({len(values)} rows)"
+                )
 
 
 def print_table(rows: Compared, markdown: bool) -> None:
@@ -546,6 +576,12 @@ def main(argv: list[str] | None = None) -> int:
         "--no-corun", action="store_true", help="time every step as if the other core were idle"
     )
     parser.add_argument(
+        "--corun-one-prompt-factor",
+        action="store_true",
+        help="every prompt step beside a decoding neighbour: the --corun file's median over its "
+        "prompt sizes, not its ratio at the step's size (pdserve.sim.corun)",
+    )
+    parser.add_argument(
         "--host-work",
         type=Path,
         default=HOST_WORK,
@@ -557,10 +593,15 @@ def main(argv: list[str] | None = None) -> int:
         help="the router and clients take nothing from the steps",
     )
     parser.add_argument(
+        "--row-median",
+        action="store_true",
+        help="with three sweeps or more: each row's median over them, not its mean",
+    )
+    parser.add_argument(
         "--repeatability",
         action="store_true",
         help="with two sweeps: also the second's rows against the first's, as a prediction "
-        "(how close a second run of the sweep comes)",
+        "(how close a second run of the sweep comes); with more, each against the others' mean",
     )
     parser.add_argument(
         "--per-deployment",
@@ -582,10 +623,12 @@ def main(argv: list[str] | None = None) -> int:
         host_work,
     )
     profiles = replace(profiles, grouped_prefill=args.grouped_prefill)
+    if args.corun_one_prompt_factor and corun is not None:
+        profiles = replace(profiles, corun=CoRun.load(corun))
     sweeps = [Sweep.load(path) for path in args.sweep]
-    if args.repeatability and len(sweeps) != 2:
-        parser.error("--repeatability compares two sweeps: give --sweep FIRST SECOND")
-    sweep = Sweep.mean(sweeps)
+    if args.repeatability and len(sweeps) < 2:
+        parser.error("--repeatability compares runs of a sweep: give --sweep FIRST SECOND ...")
+    sweep = Sweep.mean(sweeps, median=args.row_median)
     cal: Calibration | dict[str, Calibration]
     if args.per_deployment:
         cal = calibrate_per_deployment(profiles, sweep)

@@ -25,6 +25,7 @@ from pdserve.sim.padded_prefill import PaddedPrefillCost, with_padded_prefill
 from pdserve.sim.results import metrics_of
 from pdserve.sim.timing import WorkerTiming, timing_from_simulation_profile, with_limits
 from pdserve.sim.trace import Trace, TraceRequest, preset_trace, trace_from_samples
+from pdserve.sim.worker import StepPlan
 from router.disaggregation import ConditionalDisaggregation, RequestFacts
 from services.engine.simulation_profile import StepTimeModel
 from services.worker.simulation import load_profile
@@ -259,6 +260,64 @@ def test_a_step_beside_a_busy_worker_takes_the_corun_factor() -> None:
     assert measured.decode_vs_decode > 1.05
 
 
+def test_a_prompt_steps_corun_factor_follows_its_size_where_measured(tmp_path: Path) -> None:
+    """``CoRun.load(path, by_prompt_tokens=True)``: a prompt step beside a decoding neighbour
+    takes the profile's ratio at its size (log-interpolated, flat past the ends); beside a
+    prompt, and without the option, the scalar factors."""
+    summary = {
+        "decode B=4": {"ratio_decode": 1.3, "ratio_prefill": 1.0},
+        "prefill 64": {"ratio_decode": 1.1, "ratio_prefill": 1.0},
+        "prefill 16": {"ratio_decode": 1.2, "ratio_prefill": 1.0},
+        "prefill 256": {"ratio_decode": 1.0, "ratio_prefill": 1.0},
+    }
+    factors = {"decode_vs_decode": 1.3, "decode_vs_prefill": 1.0}
+    factors |= {"prefill_vs_decode": 1.05, "prefill_vs_prefill": 1.01}
+    path = tmp_path / "corun.json"
+    path.write_text(json.dumps({"factors": factors, "summary": summary}))
+
+    def prompt(*sizes: int) -> StepPlan:
+        return StepPlan(chunks=[(None, 0, n) for n in sizes], decodes=[])  # type: ignore[misc]
+
+    decoding = StepPlan(chunks=[], decodes=[None])  # type: ignore[list-item]
+    curve = CoRun.load(path, by_prompt_tokens=True)
+    assert curve.prefill_vs_decode_by_tokens == ((16, 1.2), (64, 1.1), (256, 1.0))
+    cases = {8: 1.2, 16: 1.2, 32: 1.15, 64: 1.1, 128: 1.05, 1024: 1.0}
+    for tokens, expected in cases.items():
+        assert curve.factor(prompt(tokens), [decoding]) == pytest.approx(expected), tokens
+    assert curve.factor(prompt(16, 16), [decoding]) == pytest.approx(1.15)  # the step's total
+    assert curve.factor(prompt(16), [prompt(16)]) == 1.01
+    assert curve.factor(decoding, [decoding, prompt(16)]) == 1.3
+    assert CoRun.load(path).factor(prompt(16), [decoding]) == 1.05
+
+
+def test_corun_runs_are_pooled_case_by_case(tmp_path: Path) -> None:
+    """``corun_slowdown.py --pool A B``: each case's step times of both runs together (a case
+    only one run has is left out), so its medians are over all their rounds."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import corun_slowdown
+
+    def run(name: str, cases: dict[str, list[float]]) -> Path:
+        times = {
+            c: {"idle": t, "decode": [2 * x for x in t], "prefill": t} for c, t in cases.items()
+        }
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"command": f"python {name}", "times_s": times}))
+        return path
+
+    first = run("a", {"prefill 16": [1.0, 1.0], "prefill 32": [2.0]})
+    second = run("b", {"prefill 16": [3.0], "decode B=1": [5.0]})
+    times, commands = corun_slowdown.pooled([first, second])
+    assert commands == ["python a", "python b"]
+    assert times == {
+        "prefill 16": {
+            "idle": [1.0, 1.0, 3.0],
+            "decode": [2.0, 2.0, 6.0],
+            "prefill": [1.0, 1.0, 3.0],
+        }
+    }
+    assert corun_slowdown.summarize(times)["prefill 16"]["ratio_decode"] == 2.0
+
+
 def test_arrivals_and_finishes_lengthen_the_steps_in_progress() -> None:
     """``pdserve.sim.host_work``: the second request reaches the router while the first's prompt
     computes, so that step, and every time after it, is 4 ms later; the first request's end
@@ -381,37 +440,64 @@ def test_the_recorded_goodput_sweep_within_bounds() -> None:
 
 GROUPED_SWEEPS = [
     ROOT / "benchmarks" / "recorded" / name
-    for name in ("goodput-zen4-grouped.json", "goodput-zen4-grouped-2.json")
+    for name in (
+        "goodput-zen4-grouped.json",
+        "goodput-zen4-grouped-2.json",
+        "goodput-zen4-grouped-3.json",
+    )
 ]
 
 
-def test_the_current_engines_two_sweeps_within_bounds() -> None:
-    """``sim_accuracy.py --sweep A B --grouped-prefill --repeatability`` (docs/simulator.md):
-    the sweep run twice with the engine's grouped prefill, judged by the same SLOs. Against the
-    rows' mean, calibrated on the unloaded rows only, the simulator stays within these medians
-    and shares of rows within 15% (today: medians 1.5%, 4.2%, 4.7%, 3.0%; shares 91%, 98%, 91%,
-    100%; 86%, 91%, 84%, 91% before the host work and the profile measured 2026-11-27); and the
-    second run, scored as a prediction of the first, lands within 15% in at least 85% of rows
-    for every figure (today 98%, 95%, 89%, 98%): what the simulator's shares are measured
-    against."""
+def test_the_current_engines_three_sweeps_within_bounds() -> None:
+    """``sim_accuracy.py --sweep A B C --grouped-prefill --repeatability`` (docs/simulator.md):
+    the sweep run three times with the engine's grouped prefill, judged by the same SLOs.
+    Against the rows' mean, calibrated on the unloaded rows only, the simulator stays within
+    these medians and shares of rows within 15% (today: medians 1.6%, 3.1%, 3.6%, 3.3%; shares
+    95%, 100%, 95%, 100%: 4 of 44 rows have a figure outside); and each run, scored as a
+    prediction of the other two's mean, lands within 15% in at least 85% of rows for every
+    figure (today 86-100%): what the simulator's shares are measured against."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sim_accuracy
 
     profiles = dataclasses.replace(sim_accuracy.Profiles.load("linear"), grouped_prefill=True)
-    first, second = (sim_accuracy.Sweep.load(path) for path in GROUPED_SWEEPS)
-    sweep = sim_accuracy.Sweep.mean([first, second])
+    runs = [sim_accuracy.Sweep.load(path) for path in GROUPED_SWEEPS]
+    sweep = sim_accuracy.Sweep.mean(runs)
     rows = sim_accuracy.compare(profiles, sweep, sim_accuracy.calibrate(profiles, sweep))
     errors = sim_accuracy.relative_errors(rows)
     bounds = {  # metric: (median |error| below, share of rows within 15% at least)
-        "goodput": (0.03, 0.88),
-        "ttft_p50": (0.06, 0.95),
-        "ttft_p90": (0.07, 0.88),
+        "goodput": (0.03, 0.93),
+        "ttft_p50": (0.05, 0.97),
+        "ttft_p90": (0.05, 0.93),
         "tpot_p50": (0.05, 0.97),
     }
     assert_within(errors, bounds)
-    for metric, values in sim_accuracy.repeatability(first, second).items():
-        assert len(values) == len(sweep.recorded) == 44
-        assert sim_accuracy.share_within(values) >= 0.85, metric
+    for run in sim_accuracy.held_out(runs):
+        for metric, values in run.items():
+            assert len(values) == len(sweep.recorded) == 44
+            assert sim_accuracy.share_within(values) >= 0.85, metric
+
+
+def test_with_three_runs_each_is_scored_against_the_mean_of_the_others() -> None:
+    """``sim_accuracy.py --sweep A B C --repeatability``: run i against the mean of the rest."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sim_accuracy
+
+    sweep = sim_accuracy.Sweep.load()
+
+    def scaled(ttft_factor: float) -> sim_accuracy.Sweep:
+        recorded = {
+            k: (g, ttft_factor * t50, t90, tpot)
+            for k, (g, t50, t90, tpot) in sweep.recorded.items()
+        }
+        return dataclasses.replace(sweep, recorded=recorded)
+
+    runs = [sweep, scaled(1.2), scaled(0.8)]
+    [first, faster, slower] = sim_accuracy.held_out(runs)
+    rows = len(sweep.recorded)
+    assert first["ttft_p50"] == pytest.approx([0.0] * rows)  # (1.2 + 0.8) / 2 = 1
+    assert faster["ttft_p50"] == pytest.approx([0.3 / 0.9] * rows)  # 1.2 against (1 + 0.8) / 2
+    assert slower["ttft_p50"] == pytest.approx([0.3 / 1.1] * rows)
+    assert first["goodput"] == faster["tpot_p50"] == [0.0] * rows
 
 
 def test_a_deployment_is_calibrated_on_its_own_unloaded_rows_only() -> None:

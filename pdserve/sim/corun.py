@@ -13,11 +13,18 @@ neighbours, the largest factor: only pairs were measured). It is decided when th
 a step that began with the host idle keeps its time when a neighbour starts later, and one that
 began beside a busy neighbour keeps the factor when that neighbour stops. Without factors
 (``CoRun()``, every factor 1) nothing changes.
+
+A prompt step of few tokens reads all the weights for few rows, as a decode step does, so a
+decoding neighbour slows it more than a long prompt's compute-bound step. Where the profile
+measured prompt steps of several sizes (``corun_slowdown.py --chunks 16,32,...``),
+``CoRun.load(path, by_prompt_tokens=True)`` takes ``prefill_vs_decode`` from that curve at the
+step's prompt tokens (interpolated in their logarithm, held flat past the ends).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +45,43 @@ class CoRun:
     decode_vs_prefill: float = 1.0
     prefill_vs_decode: float = 1.0
     prefill_vs_prefill: float = 1.0
+    # (prompt tokens, factor) ascending: a prompt step beside a decoding neighbour, by its size
+    prefill_vs_decode_by_tokens: tuple[tuple[int, float], ...] = ()
 
     @classmethod
-    def load(cls, path: Path) -> CoRun:
-        """The ``factors`` of a file written by ``benchmarks/corun_slowdown.py``."""
-        factors = json.loads(Path(path).read_text())["factors"]
-        return cls(**{k: float(v) for k, v in factors.items()})
+    def load(cls, path: Path, by_prompt_tokens: bool = False) -> CoRun:
+        """The ``factors`` of a file written by ``benchmarks/corun_slowdown.py``; with
+        ``by_prompt_tokens``, also its prompt steps' ratios beside a decoding neighbour."""
+        data = json.loads(Path(path).read_text())
+        factors = {k: float(v) for k, v in data["factors"].items()}
+        curve: tuple[tuple[int, float], ...] = ()
+        if by_prompt_tokens:
+            curve = tuple(
+                sorted(
+                    (int(case.split()[1]), float(row["ratio_decode"]))
+                    for case, row in data["summary"].items()
+                    if case.startswith("prefill ")
+                )
+            )
+        return cls(**factors, prefill_vs_decode_by_tokens=curve)
 
     def factor(self, own: StepPlan, neighbours: Iterable[StepPlan]) -> float:
         """How much longer ``own`` takes beside the steps ``neighbours`` are computing."""
-        factors = [getattr(self, f"{phase(own)}_vs_{phase(n)}") for n in neighbours]
+        factors = [self._pair(own, n) for n in neighbours]
         return max(factors, default=1.0)
+
+    def _pair(self, own: StepPlan, neighbour: StepPlan) -> float:
+        mine, theirs = phase(own), phase(neighbour)
+        if mine == "prefill" and theirs == "decode" and self.prefill_vs_decode_by_tokens:
+            return self._by_tokens(sum(tokens for _, _, tokens in own.chunks))
+        return float(getattr(self, f"{mine}_vs_{theirs}"))
+
+    def _by_tokens(self, tokens: int) -> float:
+        curve = self.prefill_vs_decode_by_tokens
+        if tokens <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+            if tokens <= x1:
+                where = math.log(tokens / x0) / math.log(x1 / x0)
+                return y0 + where * (y1 - y0)
+        return curve[-1][1]
