@@ -65,6 +65,14 @@ class CoRun:
             )
         return cls(**factors, prefill_vs_decode_by_tokens=curve)
 
+    @property
+    def slows(self) -> bool:
+        """Whether any step is slowed at all (``CoRun()``: none is)."""
+        factors = [self.decode_vs_decode, self.decode_vs_prefill]
+        factors += [self.prefill_vs_decode, self.prefill_vs_prefill]
+        factors += [factor for _, factor in self.prefill_vs_decode_by_tokens]
+        return any(factor != 1.0 for factor in factors)
+
     def factor(self, own: StepPlan, neighbours: Iterable[StepPlan]) -> float:
         """How much longer ``own`` takes beside the steps ``neighbours`` are computing."""
         factors = [self._pair(own, n) for n in neighbours]
