@@ -97,6 +97,13 @@ class Stack:
     def containers(self, service: str) -> list[str]:
         return self.compose("ps", "-q", service).split()
 
+    def take_down(self) -> dict[str, list[str]]:
+        """``down -v``; what of the project is left afterwards (nothing, when all is well)."""
+        assert any(self.leftovers().values())  # the project is up before
+        self.compose("down", "-v", "--remove-orphans", timeout=180)
+        self.down_done = True
+        return self.leftovers()
+
     def leftovers(self) -> dict[str, list[str]]:
         label = f"label=com.docker.compose.project={self.project}"
         return {

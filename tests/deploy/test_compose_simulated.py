@@ -110,7 +110,4 @@ def test_both_routes_give_the_offline_simulated_text(stack: Stack, client: OpenA
 
 
 def test_down_leaves_nothing_behind(stack: Stack) -> None:
-    assert any(stack.leftovers().values())
-    stack.compose("down", "-v", "--remove-orphans", timeout=180)
-    stack.down_done = True
-    assert stack.leftovers() == {"container": [], "network": [], "volume": []}
+    assert stack.take_down() == {"container": [], "network": [], "volume": []}
