@@ -13,7 +13,9 @@ Measured, with all usable cores (torch threads):
   weights widened to float32 for oneDNN and for MKL, plain ``torch.nn.functional.linear``
   (MKL's sgemm) in float32, and for up to 4 rows the compiled kernel that reads bfloat16
   weights in place (``kernels/csrc/linear_bf16_cpu.c``; for 2-16 rows its variant with bfloat16
-  dot products, where the CPU has them). The limits are the best of them: the
+  dot products, where the CPU has them), and, where the CPU has bfloat16 dot products, our GEMM
+  over weights in pair order (``kernels/csrc/gemm_bf16_cpu.c``, any M). The limits are the
+  best of them: the
   machine's, not the engine's. Apart from them, the int8 GEMM (``torch._int_mm``: oneDNN, VNNI
   where the CPU has it) on int8 inputs alone, and ``--quantization int8``'s whole layer (quantize
   the rows, the GEMM, scales and bias: ``services.engine.model.int8_linear``), with their own
@@ -88,6 +90,7 @@ KINDS = {
     "bfloat16 in place (ours, M<=4)": ("bfloat16", "small-batch"),
     "bfloat16 in place, 4-row tiles (ours, M<=4)": ("bfloat16", "small-batch-4"),
     "bfloat16 in place, dot products (ours, 2<=M<=16)": ("bfloat16", "small-batch-dot"),
+    "bfloat16 pair order, dot products (ours)": ("bfloat16", "pairs-dot"),
 }
 
 
@@ -129,7 +132,8 @@ def gemm_gflops(
     small = any(p in SMALL_BATCH_PATHS for p in paths)
     if small and (small_batch is None or not all(serves(p, rows) for p in paths)):
         return None
-    if "small-batch-dot" in paths and not (kernels is not None and kernels.bf16_dot):
+    dots = {"small-batch-dot", "pairs-dot"} & set(paths)
+    if dots and not (kernels is not None and kernels.bf16_dot):
         return None  # a build without the dot products: its layers would time the fallback
     if not all(can_run(p, x.weight, True) for p, x in zip(paths * 4, linears)):
         return None

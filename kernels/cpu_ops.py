@@ -58,6 +58,7 @@ SOURCES = [
     for name in (
         "paged_attention_cpu",
         "linear_bf16_cpu",
+        "gemm_bf16_cpu",
         "layer_ops_cpu",
         "int8_cpu",
         "decode_layers_cpu",
@@ -145,6 +146,11 @@ LINEAR_ROW_TILES = (8, 4)  # weight rows it reads together (its row_tile argumen
 # (DOT_MAX_ROWS in linear_bf16_cpu.c); the fused decode layers name it by a row tile of -4.
 LINEAR_DOT_MAX_ROWS = 16
 LINEAR_DOT_TILE = -4
+PAIRS_GROUP = 16  # output features per group of the pair order (gemm_bf16_cpu.c)
+# The fused decode layers name the pair order by this tile (LINEAR_PAIRS_TILE in
+# decode_parts.h) and take up to this many rows with it (PAIRS_MAX_ROWS, decode_layers_cpu.c).
+LINEAR_PAIRS_TILE = -16
+PAIRS_MAX_ROWS = 256
 INT8_MAX_ROWS = 4  # rows of x linear_int8 takes (INT8_MAX_ROWS in int8_cpu.c)
 NO_VNNI = 3  # linear_int8's status where it was compiled without AVX512-VNNI
 INT32_MAX = 2**31 - 1
@@ -192,6 +198,49 @@ class TiledWeight:
         whole = out // self.row_tile * self.row_tile
         tiles = self.data[:whole].reshape(-1, inp // LANES, self.row_tile, LANES).transpose(1, 2)
         return torch.cat([tiles.reshape(whole, inp), self.data[whole:]])
+
+
+@dataclass(frozen=True)
+class PairedWeight:
+    """A bfloat16 ``[out, in]`` weight in the order ``gemm_bf16_pairs`` reads (see
+    ``kernels/csrc/gemm_bf16_cpu.c``): each group of 16 output features stored as
+    ``[in / 2][16][2]``, so that one 64-byte vector holds a pair of inputs of each of the group's
+    16 rows. ``data`` has the weight's shape, not its order."""
+
+    data: torch.Tensor  # [out, in] bfloat16, contiguous, in pair order
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> PairedWeight:
+        """``weight`` (``[out, in]``: ``out`` a multiple of 16, ``in`` even) in pair order."""
+        out, inp = weight.shape
+        if out % PAIRS_GROUP or inp % 2:
+            raise ValueError(
+                f"the pair order needs out_features a multiple of {PAIRS_GROUP} and even "
+                f"in_features, got {out} x {inp}"
+            )
+        grouped = weight.to(torch.bfloat16).reshape(out // PAIRS_GROUP, PAIRS_GROUP, inp // 2, 2)
+        return cls(grouped.permute(0, 2, 1, 3).contiguous().view(out, inp))
+
+    @property
+    def kernel_tile(self) -> int:
+        """How the fused decode layers name this order."""
+        return LINEAR_PAIRS_TILE
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows of x the fused decode layers take with it."""
+        return PAIRS_MAX_ROWS
+
+    @staticmethod
+    def takes(weight: torch.Tensor) -> bool:
+        """Whether ``weight`` (2-D) has a shape the pair order holds."""
+        return weight.shape[0] % PAIRS_GROUP == 0 and weight.shape[1] % 2 == 0
+
+    def unpaired(self) -> torch.Tensor:
+        """The weight in its own ``[out, in]`` order (a copy)."""
+        out, inp = self.data.shape
+        grouped = self.data.view(out // PAIRS_GROUP, inp // 2, PAIRS_GROUP, 2)
+        return grouped.permute(0, 2, 1, 3).reshape(out, inp)
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -245,6 +294,9 @@ class CpuKernels:
         self._linear_dot.argtypes += [ctypes.c_int, ctypes.c_int]
         self._linear_dot.restype = ctypes.c_int
         self.bf16_dot = bool(lib.linear_bf16_dot_available())  # built with AVX-512 BF16
+        self._gemm_pairs = lib.gemm_bf16_pairs
+        self._gemm_pairs.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        self._gemm_pairs.restype = ctypes.c_int
         i64s = [i64] * 4
         self._norm = lib.add_rms_norm
         self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float, i32, i32]
@@ -357,13 +409,16 @@ class CpuKernels:
         return reference.paged_attention_prefill(*args, scale) if out is None else out
 
     def linear_bf16(
-        self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: TiledWeight | PairedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor | None:
         """``x @ W.T + bias`` in bfloat16 with float32 sums, W read in its tiled order; None
         where the kernel does not take the inputs (more rows of x than ``weight.max_rows``, an
         input size not a multiple of 16, not bfloat16 CPU tensors, dot products on a build
         without them). ``bias``: float32 or None. The float32 kernel's result does not depend
-        on ``weight.row_tile``; the dot products sum in another order."""
+        on ``weight.row_tile``; the dot products sum in another order. A weight in pair order
+        goes to ``gemm_bf16_pairs`` (any number of rows)."""
+        if isinstance(weight, PairedWeight):
+            return self.gemm_bf16_pairs(x, weight, bias)
         rows, in_features = x.shape
         data = weight.data
         out_features = data.shape[0]
@@ -407,6 +462,50 @@ class CpuKernels:
             status = self._linear(*args, weight.row_tile)
         if status != 0:
             raise RuntimeError(f"CPU bfloat16 linear kernel failed (status {status})")
+        return out
+
+    def gemm_bf16_pairs(
+        self, x: torch.Tensor, weight: PairedWeight, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``x @ W.T + bias`` in bfloat16 with float32 sums, any number of rows, W in pair
+        order; None where the kernel does not take the inputs (no AVX-512 BF16 in this build,
+        not bfloat16 CPU tensors, shapes that do not match, rows not contiguous). ``bias``:
+        float32 or None."""
+        rows, in_features = x.shape
+        data = weight.data
+        out_features = data.shape[0]
+        if (
+            not self.bf16_dot
+            or rows < 1
+            or data.shape != (out_features, in_features)
+            or x.dtype != torch.bfloat16
+            or not (x.is_cpu and data.is_cpu)
+            or x.stride(1) != 1
+            or (
+                bias is not None
+                and (
+                    bias.dtype != torch.float32
+                    or bias.shape != (out_features,)
+                    or not bias.is_contiguous()
+                )
+            )
+        ):
+            return None
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        status = self._gemm_pairs(
+            x.data_ptr(),
+            x.stride(0),
+            data.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            in_features,
+            out_features,
+            torch.get_num_threads(),
+        )
+        if status == 1:
+            return None
+        _check_status(status, "gemm_bf16_pairs")
         return out
 
     def add_rms_norm(

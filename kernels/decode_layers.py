@@ -9,9 +9,10 @@ for each other only where a result is needed by all of them. What it computes is
 what the separate kernels compute (``tests/kernels/test_decode_layers.py``).
 
 It takes 1-4 sequences (the widening small-batch GEMV's rows; 1-16 where every linear is read
-with dot products, ``LINEAR_DOT_MAX_ROWS``), bfloat16 weights, activations and cache,
-and weights the small-batch GEMV reads in place (bfloat16 ``[out, in]``, contiguous, a
-float32 bias or none on qkv only). Which layers to hand it, and when, is the model's business
+with dot products, ``LINEAR_DOT_MAX_ROWS``; up to ``PAIRS_MAX_ROWS`` where every linear is in
+pair order, ``PairedWeight``), bfloat16 weights, activations and cache, and weights in the
+order a compiled GEMM reads (bfloat16 ``[out, in]``, contiguous, a float32 bias or none on qkv
+only). Which layers to hand it, and when, is the model's business
 (``services.engine.model.fused_decode``).
 """
 
@@ -25,10 +26,9 @@ import torch
 
 from kernels.cpu_ops import (
     BAD_INDEX,
-    LINEAR_DOT_MAX_ROWS,
-    LINEAR_MAX_ROWS,
     LINEAR_ROW_TILES,
     CpuKernels,
+    PairedWeight,
     TiledWeight,
 )
 
@@ -85,16 +85,17 @@ class _Step(ctypes.Structure):
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer as the compiled call reads it: the linears' weights in the order the
-    small-batch GEMV reads (``TiledWeight``, each with its own row tile: the same result)."""
+    """One decoder layer as the compiled call reads it: the linears' weights in the order a
+    compiled GEMM reads (``TiledWeight``, each with its own row tile: the same result; or
+    ``PairedWeight``)."""
 
     input_norm: torch.Tensor  # [hidden]
     post_norm: torch.Tensor  # [hidden]
-    qkv: TiledWeight  # [(heads + 2 kv_heads) * head_dim, hidden]
+    qkv: TiledWeight | PairedWeight  # [(heads + 2 kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # float32, or None
-    o: TiledWeight  # [hidden, heads * head_dim]
-    gate_up: TiledWeight  # [2 intermediate, hidden]: gate rows, then up rows
-    down: TiledWeight  # [hidden, intermediate]
+    o: TiledWeight | PairedWeight  # [hidden, heads * head_dim]
+    gate_up: TiledWeight | PairedWeight  # [2 intermediate, hidden]: gate rows, then up rows
+    down: TiledWeight | PairedWeight  # [hidden, intermediate]
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim], any strides
     value_cache: torch.Tensor  # same shape and strides
 
@@ -118,11 +119,12 @@ class DecodeLayers:
         if not layers:
             raise ValueError("no layers")
         self._shape_check(shape, layers)
-        dots = [linear.dot for w in layers for linear in (w.qkv, w.o, w.gate_up, w.down)]
+        linears = [linear for w in layers for linear in (w.qkv, w.o, w.gate_up, w.down)]
+        dots = [isinstance(x, PairedWeight) or x.dot for x in linears]
         if any(dots) and not kernels.bf16_dot:
             raise ValueError("dot-product weights on a kernel built without AVX-512 BF16")
-        # The rows a step may have: the dot products take 16, the widening kernel 4.
-        self.max_rows = LINEAR_DOT_MAX_ROWS if all(dots) else LINEAR_MAX_ROWS
+        # The rows a step may have: the fewest any linear's kernel takes.
+        self.max_rows = min(linear.max_rows for linear in linears)
         self.layers = tuple(layers)  # keeps every pointer below alive
         self._fn = kernels.lib.decode_layers_bf16
         self._fn.argtypes = [_ptr, _i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32]
@@ -161,7 +163,7 @@ class DecodeLayers:
         for index, layer in enumerate(layers):
             for name, size in sizes.items():
                 field = getattr(layer, name)
-                tensor = field.data if isinstance(field, TiledWeight) else field
+                tensor = field.data if isinstance(field, (TiledWeight, PairedWeight)) else field
                 if isinstance(field, TiledWeight) and field.row_tile not in LINEAR_ROW_TILES:
                     raise ValueError(f"layer {index}: {name} has row tile {field.row_tile}")
                 if (

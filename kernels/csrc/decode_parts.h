@@ -48,6 +48,15 @@ int linear_bf16_dot_share(const uint16_t *x, const uint16_t *w, const float *bia
                           int rows, int in, int out);
 int linear_bf16_dot_available(void);
 
+/* gemm_bf16_cpu.c: the calling thread's share of y = x W^T + b (its OpenMP team splits the output
+ * features) over x as stored ([rows, ldx] bfloat16, any rows) and W in pair order
+ * (kernels.cpu_ops.PairedWeight); 1 (nothing done) on a CPU without AVX-512 BF16. */
+int gemm_bf16_pairs_share(const uint16_t *x, int64_t ldx, const uint16_t *w, const float *bias,
+                          uint16_t *y, int64_t rows, int64_t in, int64_t out);
+int gemm_bf16_pairs_available(void);
+/* A fused layer names the pair order by this tile (kernels.cpu_ops.LINEAR_PAIRS_TILE). */
+#define LINEAR_PAIRS_TILE (-16)
+
 /* layer_ops_cpu.c, bfloat16 rows on the calling thread (the contracts of add_rms_norm,
  * rotary_write_kv and silu_mul, without their checks). */
 void add_rms_norm_bf16_serial(void *x, const void *delta, const void *weight, void *out,

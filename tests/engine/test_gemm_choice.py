@@ -36,6 +36,7 @@ COSTS = {
     "small-batch": {1: 1.0, 4: 2.0},
     "small-batch-4": {1: 1.5, 4: 0.5},
     "small-batch-dot": {4: 3.0, 8: 0.5, 16: 4.0},
+    "pairs-dot": {1: 5.0, 4: 5.0, 8: 5.0, 16: 5.0, 64: 0.5, 256: 5.0},
 }
 
 
@@ -101,6 +102,8 @@ def test_the_fastest_candidate_wins_each_bucket(dtype: torch.dtype) -> None:
         assert table.paths[(128, 64)][:2] == ("small-batch", "small-batch-4")
     if dtype == torch.bfloat16 and "small-batch-dot" in candidate_paths(model["up"].weight, True):
         assert table.paths[(128, 64)][2] == "small-batch-dot"
+    if dtype == torch.bfloat16 and "pairs-dot" in candidate_paths(model["up"].weight, True):
+        assert table.paths[(128, 64)][4] == "pairs-dot"
 
 
 def test_a_near_tie_goes_to_the_path_with_less_weight_memory() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.cpu_ops import TiledWeight
+from kernels.cpu_ops import PairedWeight, TiledWeight
 from services.engine.model.packed_linear import (
     PackedLinear,
     can_run,
@@ -155,3 +155,40 @@ def test_the_dot_products_read_the_four_row_tiles_copy() -> None:
     assert [w.dot for w in seen] == [False, True]
     assert seen[0].data.data_ptr() == seen[1].data.data_ptr()
     assert weight_format("small-batch-dot") == weight_format("small-batch-4") == "small-batch-4"
+
+
+def test_the_pair_order_serves_every_row_count_and_is_the_fallback() -> None:
+    """pairs-dot above the small-batch rows: its own copy of the weight (pair order), and where
+    the small-batch kernel declines an input the pair order (never declining) computes it. The
+    fused decode layers read both kernels' weights."""
+    linear = nn.Linear(32, 16).to(torch.bfloat16)
+    seen: list[tuple[int, str]] = []
+
+    def kernel(x, weight, bias):  # type: ignore[no-untyped-def]
+        seen.append((len(x), type(weight).__name__))
+        if isinstance(weight, TiledWeight) and len(x) == 2:
+            return None  # declined: the fallback runs
+        return reference(linear, x).to(torch.bfloat16)
+
+    paths = ("small-batch-4", "small-batch-4") + ("pairs-dot",) * 4
+    layer = PackedLinear(linear, paths, kernel)
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 64, 300):
+            x = torch.randn(rows, 32).to(torch.bfloat16)
+            torch.testing.assert_close(layer(x).float(), reference(linear, x), atol=2e-2, rtol=2e-2)
+    assert seen == [
+        (1, "TiledWeight"),
+        (2, "TiledWeight"),
+        (2, "PairedWeight"),
+        (5, "PairedWeight"),
+        (64, "PairedWeight"),
+        (300, "PairedWeight"),
+    ]
+    assert isinstance(layer.fusable_gemm(1).weight, TiledWeight)
+    assert isinstance(layer.fusable_gemm(300).weight, PairedWeight)
+    assert layer.fusable_gemm(0) is None
+    assert weight_format("pairs-dot") == "pairs-dot"
+    bf16 = torch.zeros(32, 16, dtype=torch.bfloat16)
+    assert can_run("pairs-dot", bf16, True) == torch.cpu._is_avx512_bf16_supported()
+    assert not can_run("pairs-dot", bf16) and not can_run("pairs-dot", bf16[:24], True)
+    assert not can_run("pairs-dot", torch.zeros(32, 16), True)  # float32 weights

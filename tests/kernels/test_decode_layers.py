@@ -1,13 +1,13 @@
 """The fused decode layers (``kernels.decode_layers``, ``services.engine.model.fused_decode``):
-a decode step of 1-4 sequences (1-8 here with dot products) through every layer in one compiled
-call gives, bit for bit, the
-hidden states and KV cache of the same step through the separate kernels, and declines (runs
-nothing) whatever it does not take.
+a decode step of 1-4 sequences (1-8 here with dot products, any number up to 256 with the pair
+order) through every layer in one compiled call gives, bit for bit, the hidden states and KV
+cache of the same step through the separate kernels, and declines (runs nothing) whatever it
+does not take.
 
 The model is a small random one (GQA, a qkv bias, several blocks of context), in bfloat16 with its
 linears on the small-batch kernel at 1-4 rows, as the engine packs them on a CPU where that kernel
 is the fastest: the widening kernel's two tiles, or (on CPUs with AVX-512 BF16) its dot-product
-variant.
+variant, or the dot products at 2-4 rows and the pair-order GEMM above.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from services.engine.model.packed_linear import NUM_BUCKETS, pack_linears
 from services.engine.model_runner import ModelRunner
 from tests.conftest import tiny_model_config
 
-BLOCK_SIZE, NUM_BLOCKS, MAX_CONTEXT = 16, 64, 100
+BLOCK_SIZE, NUM_BLOCKS, MAX_CONTEXT = 16, 512, 100
 CONFIG = tiny_model_config(
     vocab_size=96,
     hidden_size=128,
@@ -40,10 +40,14 @@ def small_batch_paths(one_row: str, few_rows: str) -> tuple[str, ...]:
     return (one_row, few_rows) + ("native",) * (NUM_BUCKETS - 2)
 
 
-# Paths for rows 1, 2-4 and 5-8 (then oneDNN), and the rows the fused call then serves.
+# Paths for rows 1, 2-4, 5-8 ... (then oneDNN), and the rows the fused call then serves.
 TABLES = {
     "widened": (("small-batch-4", "small-batch", "native"), {1, 2, 3, 4}),
     "dot": (("small-batch-4", "small-batch-dot", "small-batch-dot"), set(range(1, 9))),
+    "pairs": (
+        ("small-batch-4", "small-batch-dot", *("pairs-dot",) * (NUM_BUCKETS - 2)),
+        set(range(1, 257)),
+    ),
 }
 
 
@@ -52,8 +56,8 @@ def runner(kernel: cpu_ops.CpuKernels, request: pytest.FixtureRequest) -> ModelR
     """A bfloat16 model whose linears run the 4-row tile at one row and the 8-row tile at 2-4
     rows (both tiles, in one model), or the 4-row tile at one row and the dot products at 2-8
     rows, with the runner that owns its cache (and builds the fused call over it)."""
-    if request.param == "dot" and not kernel.bf16_dot:
-        pytest.skip("the dot-product variant needs AVX-512 BF16, which this CPU lacks")
+    if request.param in ("dot", "pairs") and not kernel.bf16_dot:
+        pytest.skip("the dot products and the pair order need AVX-512 BF16, which this CPU lacks")
     torch.manual_seed(0)
     model = LlamaModel(CONFIG).eval()
     with torch.no_grad():
@@ -113,7 +117,7 @@ def forward(
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(data=st.data(), rows=st.integers(1, 8))
+@given(data=st.data(), rows=st.one_of(st.integers(1, 8), st.integers(9, 40)))
 def test_fused_step_equals_the_separate_kernels(
     kernel: cpu_ops.CpuKernels, runner: ModelRunner, data: st.DataObject, rows: int
 ) -> None:
@@ -150,9 +154,9 @@ def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels, runner: Mode
     prefill = decode_meta(kernel, [5], [[3]])
     prefill.num_decode_tokens = 0
     assert fused.run(x, rotary, runner.layer_caches, prefill) is None
-    more = max(fused.by_rows) + 1  # 5, or 9 with the dot products: oneDNN's rows in this table
+    more = max(fused.by_rows) + 1  # 5, 9 with the dot products, 257 past the pair order's
     many = torch.zeros(more, CONFIG.hidden_size, dtype=torch.bfloat16)
-    rotary_many = runner.model.rope.tables(torch.arange(more), torch.bfloat16)
+    rotary_many = runner.model.rope.tables(torch.full((more,), 4), torch.bfloat16)
     meta_many = decode_meta(kernel, [5] * more, [[i] for i in range(more)])
     assert fused.run(many, rotary_many, runner.layer_caches, meta_many) is None
 

@@ -1,16 +1,17 @@
-"""The decoder layers of a small decode step as one compiled call, where the model allows it.
+"""The decoder layers of a decode step as one compiled call, where the model allows it.
 
-At a decode batch of 1-4 sequences (1-16 where the CPU has bfloat16 dot products) the layers'
-linears run a small-batch kernel (a GEMV bound by the weight read), and what else a layer does
-costs more in dispatch than in arithmetic: ``kernels.decode_layers`` runs every layer in one call
-instead of nine per layer. Its result is the separate kernels' bit for bit, so this is a speed
-choice with nothing else to it.
+At a decode batch of 1-4 sequences the layers' linears run a small-batch kernel (a GEMV bound by
+the weight read), and what else a layer does costs more in dispatch than in arithmetic; at 64
+the calls and their glue are still a tenth of the step. ``kernels.decode_layers`` runs every
+layer in one call instead of nine per layer. Its result is the separate kernels' bit for bit, so
+this is a speed choice with nothing else to it.
 
 ``FusedDecode.build`` prepares it once, for the KV cache its owner (the model runner) hands it,
-and for each row count at which every linear of every layer runs a small-batch path
-(``PackedLinear.small_batch_gemm``): bfloat16 weights on CPU with the compiled kernels loaded; at
-5-16 rows only the dot products serve. Any other step (prefill tokens, more rows, another cache)
-goes through the layers one by one.
+and for each row count at which every linear of every layer runs a compiled path it can read
+(``PackedLinear.fusable_gemm``): bfloat16 weights on CPU with the compiled kernels loaded; at
+5-16 rows only the dot products and the pair order serve, past 16 the pair order alone (CPUs
+with AVX-512 BF16). Any other step (prefill tokens, more rows, another cache) goes through the
+layers one by one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from kernels.cpu_ops import LINEAR_DOT_MAX_ROWS, CpuKernels
+from kernels.cpu_ops import PAIRS_MAX_ROWS, CpuKernels
 from kernels.decode_layers import DecodeLayers, LayerWeights, ModelShape
 from services.engine.model.packed_linear import PackedLinear
 
@@ -33,11 +34,11 @@ def _layer_weights(
     layer: DecoderLayer, rows: int, kv_cache: tuple[torch.Tensor, torch.Tensor]
 ) -> LayerWeights | None:
     """What the compiled call reads of ``layer`` at ``rows`` rows, or None where a linear of it
-    does not run the small-batch kernel there."""
+    does not run a compiled kernel the fused call reads there."""
     attn, mlp = layer.self_attn, layer.mlp
     gemms = []
     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        gemm = linear.small_batch_gemm(rows) if isinstance(linear, PackedLinear) else None
+        gemm = linear.fusable_gemm(rows) if isinstance(linear, PackedLinear) else None
         if gemm is None:
             return None
         gemms.append(gemm)
@@ -56,7 +57,8 @@ def _layer_weights(
 
 
 class FusedDecode:
-    """The prepared call per row count (1-16) for ``kv_caches``; see ``run``."""
+    """The prepared call per row count (up to ``PAIRS_MAX_ROWS``) for ``kv_caches``; see
+    ``run``."""
 
     def __init__(
         self, kernels: CpuKernels, kv_caches: KvCaches, by_rows: dict[int, DecodeLayers]
@@ -82,7 +84,7 @@ class FusedDecode:
         # By the weights' identities: row counts served by the same tiled copies share a call.
         prepared: dict[tuple[int, ...], DecodeLayers] = {}
         by_rows: dict[int, DecodeLayers] = {}
-        for rows in range(1, LINEAR_DOT_MAX_ROWS + 1):
+        for rows in range(1, PAIRS_MAX_ROWS + 1):
             weights = [
                 _layer_weights(cast("DecoderLayer", layer), rows, kv)
                 for layer, kv in zip(model.layers, kv_caches)

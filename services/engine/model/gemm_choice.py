@@ -48,6 +48,7 @@ from torch import nn
 
 from services.engine.model.packed_linear import (
     FORCEABLE_PATHS,
+    FUSABLE_PATHS,
     NUM_BUCKETS,
     PATHS,
     ROW_BUCKETS,
@@ -221,7 +222,8 @@ def fewer_formats(chosen: list[str], seconds: list[dict[str, float]]) -> tuple[s
 
 def format_bytes(path: str, weight: torch.Tensor) -> int:
     """Bytes of the weight format ``path`` reads (the widening paths: float32)."""
-    itemsize = weight.element_size() if path == "native" or path in SMALL_BATCH_PATHS else 4
+    same = path == "native" or path in FUSABLE_PATHS
+    itemsize = weight.element_size() if same else 4
     return weight.numel() * itemsize
 
 
@@ -311,8 +313,9 @@ def measure(
 
 
 def prefer_fused(table: GemmTable) -> None:
-    """Where, at some row bucket, every shape of the decoder layers either runs a small-batch
-    path or has one within ``FUSE_TOLERANCE`` of its fastest, give those shapes that path: the
+    """Where, at some row bucket, every shape of the decoder layers either runs a path the fused
+    layers read (``FUSABLE_PATHS``) or has one within ``FUSE_TOLERANCE`` of its fastest, give
+    those shapes that path: the
     layers then run as one compiled call per step (``FusedDecode``), which saves more than a
     GEMM or two that are a little slower cost. Shapes only the head has are left alone."""
     layer_shapes = [
@@ -323,10 +326,10 @@ def prefer_fused(table: GemmTable) -> None:
     for bucket in range(NUM_BUCKETS):
         swaps: dict[Shape, str] = {}
         for shape in layer_shapes:
-            if table.paths[shape][bucket] in SMALL_BATCH_PATHS:
+            if table.paths[shape][bucket] in FUSABLE_PATHS:
                 continue
             times = table.seconds[shape][bucket]
-            small = {p: t for p, t in times.items() if p in SMALL_BATCH_PATHS}
+            small = {p: t for p, t in times.items() if p in FUSABLE_PATHS}
             best = min(small, key=lambda p: small[p], default=None)
             if best is None or small[best] > min(times.values()) * (1 + FUSE_TOLERANCE):
                 break

@@ -23,6 +23,10 @@ The paths (``PATHS``), each computing ``y = x @ W.T + b`` from the same weights:
   at 4, 1.25x oneDNN at 8). Not at one row, where both stream the weights as fast: chosen there,
   it made a single stream 5% slower inside the fused decode step (its per-call timing, which the
   chooser sees, was faster).
+- ``pairs-dot``: on CPUs with AVX-512 BF16, the compiled GEMM of any row count over the
+  weights copied once into pair order (``kernels.cpu_ops.PairedWeight``): a broadcast pair of x
+  against 16 weight rows per bfloat16 dot product, no horizontal sums (Zen 4, 64 rows: 1.1-1.6x
+  oneDNN's bfloat16 GEMM on a small model's shapes, ``kernels/csrc/gemm_bf16_cpu.c``).
 
 Which path runs is a table per layer: one path per row bucket (``ROW_BUCKETS``), chosen by
 measurement at engine start (``services.engine.model.gemm_choice``) or forced by
@@ -42,25 +46,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu_ops import LINEAR_DOT_MAX_ROWS, LINEAR_MAX_ROWS, TiledWeight
+from kernels.cpu_ops import LINEAR_DOT_MAX_ROWS, LINEAR_MAX_ROWS, PairedWeight, TiledWeight
 
 
 class SmallBatchLinear(Protocol):
-    """(x [rows, in], the tiled weight, float32 bias or None) -> y [rows, out], or None where
-    the kernel does not take these inputs."""
+    """(x [rows, in], the weight in a compiled kernel's order, float32 bias or None) -> y [rows,
+    out], or None where the kernel does not take these inputs (``CpuKernels.linear_bf16``)."""
 
     def __call__(
-        self, x: torch.Tensor, weight: TiledWeight, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: TiledWeight | PairedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor | None: ...
 
 
 # x [rows, in] contiguous -> y [rows, out] (in any dtype; the layer casts), or None: declined.
 Gemm = Callable[[torch.Tensor], torch.Tensor | None]
 
-PATHS = ("native", "float32", "mkl", "small-batch", "small-batch-4", "small-batch-dot")
+PATHS = (
+    "native",
+    "float32",
+    "mkl",
+    "small-batch",
+    "small-batch-4",
+    "small-batch-dot",
+    "pairs-dot",
+)
 SMALL_BATCH_PATHS = {"small-batch": 8, "small-batch-4": 4, "small-batch-dot": 4}  # -> row tile
 FORCEABLE_PATHS = PATHS[:3]  # the small-batch kernels take up to 16 rows: never the only path
 MATMUL_MODES = ("auto", *FORCEABLE_PATHS)
+# The paths whose weights the fused decode layers read (``services.engine.model.fused_decode``).
+FUSABLE_PATHS = (*SMALL_BATCH_PATHS, "pairs-dot")
 SMALL_BATCH_MAX_ROWS = LINEAR_MAX_ROWS  # the widening kernel's
 # The rows of x each small-batch path serves (first, last).
 ROWS_SERVED = {
@@ -150,6 +164,9 @@ def can_run(path: str, weight: torch.Tensor, has_small_batch: bool = False) -> b
         cpu = path != "small-batch-dot" or torch.cpu._is_avx512_bf16_supported()
         bf16 = weight.dtype == torch.bfloat16 and weight.shape[1] % 16 == 0
         return cpu and has_small_batch and bf16
+    if path == "pairs-dot":
+        bf16 = weight.dtype == torch.bfloat16 and PairedWeight.takes(weight)
+        return has_small_batch and bf16 and torch.cpu._is_avx512_bf16_supported()
     return True  # mkl
 
 
@@ -194,14 +211,38 @@ def make_gemm(
             return F.linear(x.float(), plain, plain_bias)
 
         return mkl
+    if path == "pairs-dot" and small_batch is not None:
+        return PairsGemm(small_batch, PairedWeight.of(weight), float_bias_of(bias))
     if path in SMALL_BATCH_PATHS and small_batch is not None:
         row_tile, shared = SMALL_BATCH_PATHS[path], {} if tiles is None else tiles
         if row_tile not in shared:
             shared[row_tile] = TiledWeight.of(weight, row_tile).data
         tiled = TiledWeight(shared[row_tile], row_tile, dot=path == "small-batch-dot")
-        float_bias = None if bias is None else bias.float().contiguous()
-        return SmallBatchGemm(small_batch, tiled, float_bias)
+        return SmallBatchGemm(small_batch, tiled, float_bias_of(bias))
     raise ValueError(f"no GEMM for path {path!r}")
+
+
+def float_bias_of(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as the compiled kernels read it: float32, contiguous."""
+    return None if bias is None else bias.float().contiguous()
+
+
+@dataclass(frozen=True)
+class PairsGemm:
+    """The ``pairs-dot`` path's GEMM. It takes every input its layer gets (x is cast to
+    bfloat16 where it is not), so it can serve as a layer's fallback."""
+
+    kernel: SmallBatchLinear
+    weight: PairedWeight
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel(
+            x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), self.weight, self.bias
+        )
+        if y is None:
+            raise RuntimeError(f"the pairs-dot GEMM declined an input of shape {tuple(x.shape)}")
+        return y
 
 
 @dataclass(frozen=True)
@@ -269,10 +310,13 @@ class PackedLinear(nn.Module):
             y = y.to(dtype)
         return y.view(*shape[:-1], self.out_features)
 
-    def small_batch_gemm(self, rows: int) -> SmallBatchGemm | None:
-        """The small-batch kernel's GEMM where it serves ``rows`` rows, else None."""
-        gemm = self._by_rows[rows] if 0 < rows < len(self._by_rows) else None
-        return gemm if isinstance(gemm, SmallBatchGemm) else None
+    def fusable_gemm(self, rows: int) -> SmallBatchGemm | PairsGemm | None:
+        """The compiled GEMM at ``rows`` rows where it is one the fused decode layers can run
+        (a path in ``FUSABLE_PATHS``), else None."""
+        if rows < 1:
+            return None
+        gemm = self._by_rows[rows] if rows < len(self._by_rows) else self._large
+        return gemm if isinstance(gemm, (SmallBatchGemm, PairsGemm)) else None
 
     def extra_repr(self) -> str:
         table = ", ".join(f"{bucket_label(i)}: {p}" for i, p in enumerate(self.paths))
