@@ -193,6 +193,75 @@ ALWAYS_INLINE void dot_blocks_bf16(const Job *job, const int32_t *table, int64_t
 }
 #endif
 
+#if HAVE_DPBF16
+/* Pass 2 with VDPBF16PS, for a bfloat16 cache and query on CPUs with AVX-512 BF16, a group of
+ * `group` heads (constants, `group` x `chunks` at most 16 sums in registers) and an even block
+ * size. Two value rows t, t+1 are interleaved (VPUNPCK{L,H}WD) into pairs (v[t][d], v[t+1][d]),
+ * and one instruction adds p[t] v[t][d] + p[t+1] v[t+1][d] to 16 outputs of a head: half the
+ * instructions of widening each row and a multiply-add per row. The price: each head's
+ * probabilities are rounded to bfloat16 first (as flash attention rounds P on GPUs), and their
+ * rounded sum normalises them, so the weights still sum to one; the sums are float32. An output
+ * then differs from the widening pass's by a rounding of the probabilities (a relative 2^-9 per
+ * term), the order of the lanes comes back at the end. Scores are rounded in place: row g's
+ * bfloat16 values take the first half of its floats. */
+ALWAYS_INLINE void weigh_values_dp(const Job *job, const int32_t *table, int64_t head_offset,
+                                   int64_t len, int64_t span, float *scores, float *out,
+                                   int64_t chunks, int64_t group) {
+    const int64_t bs = job->block_size, dim = chunks * LANES;
+    float inverse[4];
+    for (int64_t g = 0; g < group; g++) {
+        float *row = scores + g * span;
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < span; t += LANES) { /* span: a multiple of 16 (see pass 1) */
+            const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(row + t));
+            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)row + t), (__m256i)rounded);
+        }
+        inverse[g] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    __m512 acc[4][MAX_CHUNKS];
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+    const uint16_t *cache = (const uint16_t *)job->value_cache;
+    for (int64_t start = 0; start < len; start += bs) {
+        int64_t rows;
+        const uint16_t *block =
+            cache + block_rows(job, cache, NULL, table, head_offset, start, len, 1, &rows);
+        for (int64_t r = 0; r < rows; r += 2) {
+            const uint16_t *a = block + r * job->token_stride, *b = a + job->token_stride;
+            const int two = r + 1 < rows; /* the context's last token may lack its pair */
+            __m512bh p[4];
+            for (int64_t g = 0; g < group; g++) /* (p[t], p[t+1]), both rounded: one 32-bit lane */
+                p[g] = (__m512bh)_mm512_set1_epi32(
+                    ((const int32_t *)(scores + g * span))[(start + r) / 2]);
+            for (int64_t c = 0; c < chunks; c += 2) {
+                const __m512i va = _mm512_loadu_si512(a + c * LANES);
+                const __m512i vb = two ? _mm512_loadu_si512(b + c * LANES) : _mm512_setzero_si512();
+                const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(va, vb);
+                const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(va, vb);
+                for (int64_t g = 0; g < group; g++) {
+                    acc[g][c] = _mm512_dpbf16_ps(acc[g][c], p[g], low);
+                    acc[g][c + 1] = _mm512_dpbf16_ps(acc[g][c + 1], p[g], high);
+                }
+            }
+        }
+    }
+    /* Lane i of acc[c] holds element 8(i / 4) + i % 4 of the 32 at c * 16, acc[c + 1] the four
+     * after each of those: back in order, 16 at a time. */
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < chunks; c += 2) {
+            vec16 low, high;
+            memcpy(&low, &acc[g][c], sizeof low);
+            memcpy(&high, &acc[g][c + 1], sizeof high);
+            const vec16 first =
+                SHUFFLE(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+            const vec16 second =
+                SHUFFLE(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+            store(out, g * dim + c * LANES, first * inverse[g], 0);
+            store(out, g * dim + (c + 1) * LANES, second * inverse[g], 0);
+        }
+}
+#endif
 /* Pass 2 for a group of `group` (a constant, at most 4) heads: out[g] = sum over the context of
  * p[g][t] * value[t], every output row in registers from the first value row to the last, and
  * each value row widened once, in registers, for all the group's heads. The additions per
@@ -311,6 +380,18 @@ static inline __attribute__((always_inline)) void attend_one(const Job *job, int
         for (int64_t t = len; t < span; t++) scores[g * span + t] = -INFINITY;
         inverse[g] = softmax_numerators(scores + g * span, span);
     }
+#if HAVE_DPBF16
+    if (bf16 && qbf16 != NULL && chunks % 2 == 0 && bs % 2 == 0 && group * chunks <= 16) {
+        switch (group) {
+#define WEIGH_DP(G) weigh_values_dp(job, table, head_offset, len, span, scores, out, chunks, G)
+        case 1: WEIGH_DP(1); return;
+        case 2: WEIGH_DP(2); return;
+        case 3: WEIGH_DP(3); return;
+        case 4: WEIGH_DP(4); return;
+#undef WEIGH_DP
+        }
+    }
+#endif
 
     /* Pass 2: weighted sum of the values. A group of up to four heads keeps all its output
      * rows in registers over the whole context and widens each value row once, in registers;
