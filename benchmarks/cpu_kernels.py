@@ -3,6 +3,9 @@
 1. GEMMs: the default model's four per-layer linear layers (qkv 576->960, o 576->576, gate_up
    576->3072, down 1536->576), all 30 layers' worth, for M rows (the decode batch): ``F.linear``
    (MKL, what ``nn.Linear`` does) vs ``PackedLinear`` (oneDNN, weights reordered once).
+1b. bfloat16 GEMMs, the same layers: oneDNN's bfloat16 GEMM (``PackedLinear`` on ``native``) vs
+   ours over weights in pair order (``pairs-dot``, ``kernels/csrc/gemm_bf16_cpu.c``; CPUs with
+   AVX-512 BF16), the two timed in turn, repeat by repeat, so a VM's drift hits both alike.
 2. Decode attention over a whole step: every layer of a paged cache laid out as the engine's
    (``[blocks, layers, 2, kv_heads, block, head_dim]``, shuffled blocks, about 1 GiB so it lives
    in DRAM as in a server) for B sequences of context C: the PyTorch reference (gather +
@@ -27,7 +30,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import sys
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -45,7 +50,7 @@ from tqdm import tqdm
 from common.settings import add_settings, build, settings_of
 from kernels import cpu_ops, reference
 from services.engine.config import EngineConfig, default_num_threads
-from services.engine.model.packed_linear import PackedLinear
+from services.engine.model.packed_linear import PackedLinear, onednn_supports
 
 LAYERS, HIDDEN, INTERMEDIATE = 30, 576, 1536
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
@@ -71,6 +76,40 @@ def _step(op: Callable[..., torch.Tensor], caches: list, *args: object) -> list[
     """``op`` over every layer's caches: one decode step's attention."""
     query, tables, lens, scale = args
     return [op(query, k, v, tables, lens, scale) for k, v in caches]
+
+
+def alternated_ms(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median ms of each of ``fns``, called in turn ``repeats`` times after one warm-up each."""
+    times: list[list[float]] = [[] for _ in fns]
+    for fn in fns:
+        fn()
+    for _ in range(repeats):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [1000 * statistics.median(spent) for spent in times]
+
+
+def bf16_gemm_rows(
+    kernel: cpu_ops.CpuKernels, rows: list[int], repeats: int
+) -> list[tuple[int, float, float]]:
+    """(M, oneDNN bf16 ms, pairs-dot ms) for one forward's worth of bfloat16 linear layers."""
+    layers = [
+        nn.Linear(i, o, bias=False).to(torch.bfloat16)
+        for _ in range(LAYERS)
+        for i, o in LINEAR_SHAPES
+    ]
+    onednn = [PackedLinear(layer, "native") for layer in layers]
+    ours = [PackedLinear(layer, "pairs-dot", kernel.linear_bf16) for layer in layers]
+    results = []
+    for m in tqdm(rows, desc="bf16 GEMM", unit="M", file=sys.stderr):
+        inputs = [torch.randn(m, layer.in_features).to(torch.bfloat16) for layer in layers]
+        native_ms, pairs_ms = alternated_ms(
+            [partial(_forward, inputs, onednn), partial(_forward, inputs, ours)], repeats
+        )
+        results.append((m, native_ms, pairs_ms))
+    return results
 
 
 def gemm_rows(rows: list[int], repeats: int) -> list[tuple[int, float, float]]:
@@ -217,6 +256,19 @@ def main() -> int:
         with torch.inference_mode():
             for m, plain, onednn in gemm_rows(ints(args.rows), args.repeats):
                 print(f"{m:>4} {plain:>12.1f} {onednn:>10.1f} {plain / onednn:>7.2f}x")
+
+    if not args.no_gemm and kernel.bf16_dot and onednn_supports(torch.bfloat16):
+        print("\nbfloat16 GEMM: the same layers; oneDNN bf16 vs ours in pair order, alternated")
+        columns = ("oneDNN ms", 10), ("GFLOP/s", 8), ("ours ms", 8), ("GFLOP/s", 8), ("speedup", 8)
+        print(f"{'M':>4} " + " ".join(f"{name:>{width}}" for name, width in columns))
+        flops = 2 * LAYERS * sum(i * o for i, o in LINEAR_SHAPES) / 1e9
+        with torch.inference_mode():
+            for m, native_ms, pairs_ms in bf16_gemm_rows(kernel, ints(args.rows), args.repeats):
+                print(
+                    f"{m:>4} {native_ms:>10.2f} {m * flops / native_ms * 1e3:>8.1f} "
+                    f"{pairs_ms:>8.2f} {m * flops / pairs_ms * 1e3:>8.1f} "
+                    f"{native_ms / pairs_ms:>7.2f}x"
+                )
 
     print(
         f"\ndecode attention: one step = {LAYERS} layers, {NUM_HEADS}/{NUM_KV_HEADS} heads, "
