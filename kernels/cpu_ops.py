@@ -433,15 +433,7 @@ class CpuKernels:
             or not (x.is_cpu and data.is_cpu)
             or not data.is_contiguous()
             or weight.row_tile not in LINEAR_ROW_TILES
-            or (
-                bias is not None
-                and (
-                    bias.dtype != torch.float32
-                    or bias.shape != (out_features,)
-                    or not bias.is_cpu
-                    or not bias.is_contiguous()
-                )
-            )
+            or not _bias_fits(bias, out_features)
         ):
             return None
         x = x.contiguous()
@@ -480,15 +472,9 @@ class CpuKernels:
             or data.shape != (out_features, in_features)
             or x.dtype != torch.bfloat16
             or not (x.is_cpu and data.is_cpu)
+            or not data.is_contiguous()
             or x.stride(1) != 1
-            or (
-                bias is not None
-                and (
-                    bias.dtype != torch.float32
-                    or bias.shape != (out_features,)
-                    or not bias.is_contiguous()
-                )
-            )
+            or not _bias_fits(bias, out_features)
         ):
             return None
         out = torch.empty(rows, out_features, dtype=torch.bfloat16)
@@ -760,6 +746,19 @@ class Int8SmallBatch:
         )
         _check_status(status, "linear_int8")
         return out
+
+
+def _bias_fits(bias: torch.Tensor | None, out_features: int) -> bool:
+    """Whether a linear kernel reads ``bias`` as it is: none, or float32 ``[out]`` contiguous
+    on the CPU."""
+    if bias is None:
+        return True
+    return (
+        bias.dtype == torch.float32
+        and bias.shape == (out_features,)
+        and bias.is_cpu
+        and bias.is_contiguous()
+    )
 
 
 def _glue_takes(*tensors: torch.Tensor | None, contiguous: int = 99) -> bool:

@@ -18,23 +18,13 @@ from hypothesis import strategies as st
 
 from kernels import cpu_ops
 from kernels.cpu_ops import PairedWeight
+from tests.kernels.test_linear_bf16 import assert_within_one_ulp, reference
 
 
 @pytest.fixture(autouse=True)
 def needs_bf16_dot(kernel: cpu_ops.CpuKernels) -> None:
     if not kernel.bf16_dot:
         pytest.skip("the pair-order GEMM needs AVX-512 BF16, which this CPU lacks")
-
-
-def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = x.float() @ weight.float().T
-    return (y if bias is None else y + bias).to(torch.bfloat16)
-
-
-def assert_within_one_ulp(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.dtype == torch.bfloat16 and actual.shape == expected.shape
-    ulp = expected.float().abs() * 2.0**-7
-    assert bool(((actual.float() - expected.float()).abs() <= ulp + 1e-5).all())
 
 
 @settings(max_examples=40, deadline=None)
@@ -109,6 +99,8 @@ def test_declines_what_it_does_not_take(kernel: cpu_ops.CpuKernels) -> None:
     assert kernel.gemm_bf16_pairs(x, weight, bias[:, 0]) is None  # a strided bias
     assert kernel.gemm_bf16_pairs(x, weight, torch.randn(16)) is None  # a bias of 16 for 32
     assert kernel.gemm_bf16_pairs(x, weight, torch.randn(32).double()) is None
+    strided = PairedWeight(torch.randn(64, 32).bfloat16().t())  # [32, 64], not contiguous
+    assert kernel.gemm_bf16_pairs(x, strided, None) is None
 
 
 def test_nan_and_rounding_to_nearest_even(kernel: cpu_ops.CpuKernels) -> None:
