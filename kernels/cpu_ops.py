@@ -139,7 +139,9 @@ def load(build_dir: Path, compiler: str | None = None) -> CpuKernels | None:
         return None
 
 
-CACHE_DTYPES = (torch.float32, torch.bfloat16)  # a kernel each; the math is float32 in both
+# A kernel each; the sums are float32 in both (bfloat16 on AVX-512 BF16 rounds the attention
+# probabilities to bfloat16 before weighing the values: paged_attention_cpu.c).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 LINEAR_MAX_ROWS = 4  # rows of x linear_bf16 takes (MAX_ROWS in linear_bf16_cpu.c)
 LINEAR_ROW_TILES = (8, 4)  # weight rows it reads together (its row_tile argument)
 # The dot-product variant (CPUs with AVX-512 BF16): 4-row tiles, up to 16 rows of x

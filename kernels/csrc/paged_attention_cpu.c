@@ -2,15 +2,17 @@
  * Paged decode attention for the CPU: each sequence's single query token attends to its context
  * by reading the KV blocks where they lie in the cache (no gather copy). The cache is float32 or
  * bfloat16; so are the query and the output, independently of the cache (`io_bf16`); the scores,
- * softmax and sums are float32 in every case, the output rounded once. A bfloat16 element is
- * the top half of a float32, so widening 16 of them is a zero-extend and a shift (two AVX-512F
- * instructions, no AVX-512 BF16 needed), and the cache read, the bandwidth that bounds decode
- * attention, is halved.
+ * softmax and sums are float32 in every case, the output rounded once (where the values are
+ * weighed with VDPBF16PS, the probabilities are rounded to bfloat16 first: weigh_values_dp). A
+ * bfloat16 element is the top half of a float32, so widening 16 of them is a zero-extend and a
+ * shift (two AVX-512F instructions, no AVX-512 BF16 needed), and the cache read, the bandwidth
+ * that bounds decode attention, is halved.
  *
  * One work item is one (sequence, KV head) pair: its GQA group of query heads shares every key
  * and value row it reads, so the group reads each block together. With a bfloat16 query and
- * cache on a CPU with AVX-512 BF16 the scores come from VDPBF16PS on the rows as stored; a group
- * of up to four heads sums the values with all its output rows in registers. Items are spread
+ * cache on a CPU with AVX-512 BF16 the scores come from VDPBF16PS on the rows as stored, and so
+ * does the weighted sum of the values where the group's sums fit in registers; a group of up to
+ * four heads sums the values with all its output rows in registers. Items are spread
  * over OpenMP threads. Built at first use by kernels/cpu_ops.py (cc -O3 -march=native
  * -fopenmp) and loaded after torch: the dynamic loader then binds this library's libgomp.so.1
  * to the copy torch already loaded, so the kernel runs on torch's own worker threads. (A second
