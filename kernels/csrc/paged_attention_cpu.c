@@ -216,7 +216,12 @@ ALWAYS_INLINE void weigh_values_dp(const Job *job, const int32_t *table, int64_t
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < span; t += LANES) { /* span: a multiple of 16 (see pass 1) */
             const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(row + t));
-            sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(rounded));
+            bf16x16 narrow; /* widened back by a shift: GCC before 12 lacks _mm512_cvtpbh_ps */
+            memcpy(&narrow, &rounded, sizeof narrow);
+            const vec16 wide = from_bf16x16(narrow);
+            __m512 widened;
+            memcpy(&widened, &wide, sizeof widened);
+            sum = _mm512_add_ps(sum, widened);
             _mm256_storeu_si256((__m256i *)((uint16_t *)row + t), (__m256i)rounded);
         }
         inverse[g] = 1.0f / _mm512_reduce_add_ps(sum);
