@@ -22,7 +22,7 @@ import torch
 
 from kernels.cpu_ops import PAIRS_MAX_ROWS, CpuKernels
 from kernels.decode_layers import DecodeLayers, LayerWeights, ModelShape
-from services.engine.model.packed_linear import PackedLinear
+from services.engine.model.packed_linear import PackedLinear, bucket_of
 
 if TYPE_CHECKING:
     from services.engine.model.llama import AttentionMetadata, DecoderLayer, LlamaModel
@@ -81,28 +81,49 @@ class FusedDecode:
             eps=cfg.rms_norm_eps,
             scale=cfg.head_dim**-0.5,  # Attention.scale
         )
-        # By the weights' identities: row counts served by the same tiled copies share a call.
+        # A linear's GEMM is one per row bucket, so the layers are looked at once per bucket (at
+        # its first row count); buckets served by the same weight copies share a call.
         prepared: dict[tuple[int, ...], DecodeLayers] = {}
+        by_bucket: dict[int, DecodeLayers | None] = {}
         by_rows: dict[int, DecodeLayers] = {}
         for rows in range(1, PAIRS_MAX_ROWS + 1):
-            weights = [
-                _layer_weights(cast("DecoderLayer", layer), rows, kv)
-                for layer, kv in zip(model.layers, kv_caches)
-            ]
-            if any(w is None for w in weights):
-                continue
-            key = tuple(
-                id(linear)
-                for w in weights
-                for linear in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore[union-attr]
-            )
-            if key not in prepared:
-                try:
-                    prepared[key] = DecodeLayers(backend, shape, weights)  # type: ignore[arg-type]
-                except ValueError:
-                    continue  # a dtype or cache layout it does not take
-            by_rows[rows] = prepared[key]
+            bucket = bucket_of(rows)
+            if bucket not in by_bucket:
+                by_bucket[bucket] = cls._prepare(model, rows, kv_caches, backend, shape, prepared)
+            layers = by_bucket[bucket]
+            if layers is not None and rows <= layers.max_rows:
+                by_rows[rows] = layers
         return cls(backend, kv_caches, by_rows) if by_rows else None
+
+    @staticmethod
+    def _prepare(
+        model: LlamaModel,
+        rows: int,
+        kv_caches: KvCaches,
+        backend: CpuKernels,
+        shape: ModelShape,
+        prepared: dict[tuple[int, ...], DecodeLayers],
+    ) -> DecodeLayers | None:
+        """The call over the weights ``model``'s linears read at ``rows`` rows (from
+        ``prepared`` where one reads the same copies), or None where some linear does not run a
+        fusable path there or the call does not take them."""
+        weights = [
+            _layer_weights(cast("DecoderLayer", layer), rows, kv)
+            for layer, kv in zip(model.layers, kv_caches)
+        ]
+        if any(w is None for w in weights):
+            return None
+        key = tuple(
+            id(linear)
+            for w in weights
+            for linear in (w.qkv, w.o, w.gate_up, w.down)  # type: ignore[union-attr]
+        )
+        if key not in prepared:
+            try:
+                prepared[key] = DecodeLayers(backend, shape, weights)  # type: ignore[arg-type]
+            except ValueError:
+                return None  # a dtype or cache layout it does not take
+        return prepared[key]
 
     def run(
         self,
