@@ -174,7 +174,7 @@ class Worker:
         self.standalone = standalone
         self.worker_id = config.worker_id or new_worker_id(config.role)  # type: ignore[arg-type]
         self.shm_path: str | None = None
-        engine_config = config.engine
+        engine_config = config.role_engine
         if config.kv_transport == "shm" and config.role != "decode":
             self.shm_path = f"/dev/shm/pdserve-kv-{self.worker_id}"
             cache = dataclasses.replace(engine_config.cache, shared_memory_path=self.shm_path)

@@ -59,6 +59,20 @@ def test_environment_variables_set_flag_defaults():
     assert config.scheduler.max_num_seqs == 9
 
 
+def test_a_decode_worker_caps_the_prompt_part_of_its_steps_unless_told():
+    from pdserve.cli import parse, worker_config_from_args
+    from services.worker.config import DECODE_PROMPT_TOKENS
+
+    def cap(role: str, *flags: str) -> int | None:
+        config = worker_config_from_args(role, parse([role, *flags], {}))
+        return config.role_engine.scheduler.max_prompt_tokens_beside_decodes
+
+    assert cap("decode") == DECODE_PROMPT_TOKENS == 256
+    assert cap("decode", "--max-prompt-tokens-beside-decodes", "64") == 64
+    assert cap("prefill") is None and cap("colocated") is None
+    assert cap("colocated", "--max-prompt-tokens-beside-decodes", "512") == 512
+
+
 def test_sizes_take_units_and_help_shows_defaults():
     from pdserve.cli import engine_config_from_args, parse
 

@@ -107,6 +107,12 @@ class SchedulerConfig:
 
     max_num_seqs: int = setting(64, "sequences in the running batch, at most")
     max_num_batched_tokens: int = setting(2048, "tokens computed per step, at most")
+    max_prompt_tokens_beside_decodes: int | None = setting(
+        None,
+        "prompt tokens a step computes, at most, while sequences decode (the rest of a prompt in "
+        "later chunks): each such step delays every decoding stream's next token by its prompt "
+        "part (none: the whole --max-num-batched-tokens; `pdserve decode` makes it 256)",
+    )
     enable_chunked_prefill: bool = setting(
         True,
         "compute a long prompt in chunks over several steps (off: each prompt in one step)",
@@ -125,6 +131,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        cap = self.max_prompt_tokens_beside_decodes
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prompt_tokens_beside_decodes must be >= 1, got {cap}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"

@@ -15,6 +15,10 @@ back to compute its prompt here. PULLING sequences count against ``max_num_seqs`
 about to run. ``pin`` takes a prefill worker's finished-computing sequence out of the batch,
 keeping its blocks (PINNED).
 
+While sequences decode, a step's prompt tokens (chunks of prompts, recomputed contexts) are
+capped at ``max_prompt_tokens_beside_decodes`` when it is set: every decoding stream waits for
+the whole step, so a long prompt goes in several short chunks between their tokens.
+
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later (default), or its blocks are copied
 to host memory and back (``preemption_mode="swap"``). Finished sequences leave at once.
@@ -57,6 +61,30 @@ class ScheduledBatch:
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(num_tokens)
+
+
+@dataclass
+class StepBudget:
+    """What is left of one step's tokens; of them, ``prompt`` may go to prompt tokens."""
+
+    tokens: int
+    prompt: int
+
+    def grant(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may compute now: its uncomputed ones, within what is left."""
+        wanted = min(seq.num_uncomputed_tokens, self.tokens)
+        return wanted if _decodes(seq) else min(wanted, self.prompt)
+
+    def spend(self, seq: Sequence, num_tokens: int) -> None:
+        self.tokens -= num_tokens
+        if not _decodes(seq):
+            self.prompt -= num_tokens
+
+
+def _decodes(seq: Sequence) -> bool:
+    """Whether ``seq`` computes the token after its last generated one (not a prompt chunk, nor
+    a context recomputed after preemption)."""
+    return seq.num_uncomputed_tokens == 1 and seq.num_tokens > seq.num_prompt_tokens
 
 
 class Scheduler:
@@ -110,9 +138,14 @@ class Scheduler:
     # ----- the step -------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self._schedule_running(batch, self.token_budget)
+        budget = StepBudget(self.token_budget, self.token_budget)
+        cap = self.config.max_prompt_tokens_beside_decodes
+        chunked = self.config.enable_chunked_prefill  # else a prompt must go whole: no cap
+        if cap is not None and chunked and any(_decodes(seq) for seq in self.running):
+            budget.prompt = min(cap, self.token_budget)
+        self._schedule_running(batch, budget)
         if batch.num_preempted == 0:
-            budget = self._schedule_swapped(batch, budget)
+            self._schedule_swapped(batch, budget)
             if not self.swapped:
                 self._schedule_waiting(batch, budget)
         if batch.seqs:
@@ -122,11 +155,14 @@ class Scheduler:
                     seq.first_scheduled_time = now
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_running(self, batch: ScheduledBatch, budget: StepBudget) -> None:
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = budget.grant(seq)
+            if num_new == 0:  # a prompt's next chunk, and the step's prompt tokens are spent
+                i += 1
+                continue
             while not self.pool.can_append(seq, num_new):
                 victim = self._victim(i)  # the newest; never one already scheduled
                 if victim is None:  # all prefill-only, their blocks promised: seq waits a step
@@ -138,16 +174,17 @@ class Scheduler:
             else:
                 batch.blocks_to_copy += self.pool.append_slots(seq, num_new)
                 batch.add(seq, num_new)
-                budget -= num_new
+                budget.spend(seq, num_new)
                 i += 1
-        return budget
 
-    def _schedule_swapped(self, batch: ScheduledBatch, budget: int) -> int:
+    def _schedule_swapped(self, batch: ScheduledBatch, budget: StepBudget) -> None:
         assert self.host_pool is not None or not self.swapped
-        while self.swapped and budget > 0 and self.num_admitted < self.config.max_num_seqs:
+        while self.swapped and budget.tokens > 0 and self.num_admitted < self.config.max_num_seqs:
             seq = self.swapped[0]
             host_ids = self._host_tables[seq.seq_id]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = budget.grant(seq)
+            if num_new == 0:
+                break
             num_after = seq.num_computed_tokens + num_new
             needed = max(len(host_ids), -(-num_after // self.pool.block_size))
             if needed > self.pool.num_free_blocks:
@@ -162,42 +199,70 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_new)
-            budget -= num_new
-        return budget
+            budget.spend(seq, num_new)
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        block_size = self.pool.block_size
-        while self.waiting and budget > 0 and self.num_admitted < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            prefix = self.pool.find_cached_prefix(seq)
-            num_new = seq.num_tokens - len(prefix) * block_size
-            if seq.kv_from_remote:  # reserve room for exactly the KV that comes from elsewhere
-                num_reserved = seq.num_remote_kv_tokens - len(prefix) * block_size
-                if not self.pool.can_allocate(seq, num_reserved, prefix):
-                    break
-                self.waiting.popleft()
-                self.pool.allocate(seq, num_reserved, prefix)
-                seq.status = SequenceStatus.PULLING
-                self.pulling.append(seq)
-                batch.pulls.append(seq)
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: StepBudget) -> None:
+        """Admit waiting sequences in arrival order while blocks and ``max_num_seqs`` allow. A
+        pull computes nothing this step: one queued behind a prompt that waits only for the
+        step's tokens goes ahead of it (its first token is already out; its stream should not
+        wait for the prompts before it), and the prompts keep their order among themselves."""
+        i, prompts_wait = 0, False
+        while i < len(self.waiting) and self.num_admitted < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            if seq.kv_from_remote:
+                if not self._admit_pull(seq, i, batch):
+                    return
                 continue
-            # A prefill-only sequence gets blocks for its whole prompt at once: the KV it hands
-            # over may be pulled while later chunks compute, so its blocks never change.
-            reserved = num_new if seq.pin_blocks else None
-            if num_new > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_new = budget
-            if not self.pool.can_allocate(seq, reserved or num_new, prefix):
-                break
-            self.waiting.popleft()
-            self.pool.allocate(seq, reserved or num_new, prefix)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            batch.add(seq, num_new)
-            if seq.pin_blocks:
-                batch.prefills.append(seq)
-            budget -= num_new
+            if prompts_wait:
+                i += 1
+                continue
+            admitted = self._admit_prompt(seq, i, batch, budget)
+            if admitted is None:  # no blocks for it: nothing behind it goes first
+                return
+            prompts_wait = not admitted
+
+    def _admit_pull(self, seq: Sequence, index: int, batch: ScheduledBatch) -> bool:
+        """Reserve room for exactly the KV that comes from elsewhere; False: no blocks for it."""
+        prefix = self.pool.find_cached_prefix(seq)
+        num_reserved = seq.num_remote_kv_tokens - len(prefix) * self.pool.block_size
+        if not self.pool.can_allocate(seq, num_reserved, prefix):
+            return False
+        del self.waiting[index]
+        self.pool.allocate(seq, num_reserved, prefix)
+        seq.status = SequenceStatus.PULLING
+        self.pulling.append(seq)
+        batch.pulls.append(seq)
+        return True
+
+    def _admit_prompt(
+        self, seq: Sequence, index: int, batch: ScheduledBatch, budget: StepBudget
+    ) -> bool | None:
+        """Schedule the prompt at ``index`` (a chunk of it, chunked prefill) into ``batch``:
+        True; False when the step has no tokens left for it; None when the pool has no blocks."""
+        room = min(budget.tokens, budget.prompt)
+        if room <= 0:
+            return False
+        prefix = self.pool.find_cached_prefix(seq)
+        num_new = seq.num_tokens - len(prefix) * self.pool.block_size
+        # A prefill-only sequence gets blocks for its whole prompt at once: the KV it hands
+        # over may be pulled while later chunks compute, so its blocks never change.
+        reserved = num_new if seq.pin_blocks else None
+        if num_new > room:
+            if not self.config.enable_chunked_prefill:
+                return False
+            num_new = room
+        if not self.pool.can_allocate(seq, reserved or num_new, prefix):
+            return None
+        del self.waiting[index]
+        self.pool.allocate(seq, reserved or num_new, prefix)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        batch.add(seq, num_new)
+        if seq.pin_blocks:
+            batch.prefills.append(seq)
+        budget.tokens -= num_new
+        budget.prompt -= num_new
+        return True
 
     def _victim(self, first: int) -> Sequence | None:
         """The newest running sequence after position ``first`` that may be preempted (taken

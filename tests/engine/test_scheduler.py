@@ -71,6 +71,14 @@ class Sim:
         # --- the step's shape -----------------------------------------------------------
         assert batch.total_tokens <= sched.token_budget, "token budget exceeded"
         assert all(n >= 1 for n in batch.num_tokens)
+        cap = cfg.max_prompt_tokens_beside_decodes
+        decodes = [
+            n == 1 and s.num_tokens > s.num_prompt_tokens
+            for s, n in zip(batch.seqs, batch.num_tokens)
+        ]
+        if cap is not None and cfg.enable_chunked_prefill and any(decodes):
+            prompt_tokens = sum(n for n, d in zip(batch.num_tokens, decodes) if not d)
+            assert prompt_tokens <= cap, "a step beside decodes computed more prompt than the cap"
         assert len(set(map(id, batch.seqs))) == len(batch.seqs), "a sequence scheduled twice"
         if self.check_seq_cap:
             assert len(sched.running) <= cfg.max_num_seqs
@@ -179,12 +187,14 @@ def new_sched(
     mode: str = "recompute",
     host_blocks: int = 0,
     prefix_caching: bool = True,
+    prompt_cap: int | None = None,
 ) -> Scheduler:
     cfg = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
         preemption_mode=mode,
+        max_prompt_tokens_beside_decodes=prompt_cap,
     )
     pool = BlockPool(num_blocks, block_size, enable_prefix_caching=prefix_caching)
     host = HostBlockPool(host_blocks) if host_blocks else None
@@ -263,6 +273,78 @@ def test_chunked_prefill_fills_the_rest_of_the_budget():
     assert batch.seqs == [a, b] and batch.num_tokens == [6, 10]
     batch = sim.step()
     assert batch.seqs == [a, b] and batch.num_tokens == [1, 2]
+    sim.run()
+
+
+def test_beside_decodes_a_prompt_goes_in_chunks_of_the_cap():
+    """A decoding stream waits for each step's prompt part: with the cap, a 30-token prompt
+    goes 4 tokens a step beside it, and a waiting one gets what the cap leaves; alone, a prompt
+    takes the whole budget."""
+    sched = new_sched(budget=16, prompt_cap=4)
+    sim = Sim(sched)
+    a = sim.add(make_seq(prompt(10, 0)), target=20)
+    assert sim.step().num_tokens == [10]  # no decode yet: the whole budget
+    b = sim.add(make_seq(prompt(30, 100)), target=3)
+    c = sim.add(make_seq(prompt(3, 200)), target=3)
+    batch = sim.step()
+    assert batch.seqs == [a, b] and batch.num_tokens == [1, 4]
+    for _ in range(6):
+        batch = sim.step()
+        assert batch.seqs == [a, b] and batch.num_tokens == [1, 4]
+    batch = sim.step()  # b's last 2 tokens, then c's first 2 within the cap
+    assert batch.seqs == [a, b, c] and batch.num_tokens == [1, 2, 2]
+    sim.run()
+
+
+def _pull(tokens: list[int]) -> Sequence:
+    """A sequence whose prompt KV a prefill worker computed (as ``KVHandoff`` queues it)."""
+    seq = make_seq(tokens)
+    seq.kv_from_remote, seq.num_remote_kv_tokens = True, len(tokens)
+    return seq
+
+
+def _decoding(sched: Scheduler) -> Sequence:
+    seq = make_seq(prompt(10, 0))
+    sched.add(seq)
+    sched.on_step_done(sched.schedule())
+    seq.append_token(1)
+    return seq
+
+
+def test_a_pull_goes_ahead_of_prompts_that_wait_for_the_steps_tokens():
+    """The prompts wait for the step's prompt tokens; the pull behind them computes nothing
+    this step, so it is admitted (its stream's second token does not wait for their prompts),
+    and the prompts keep their order."""
+    sched = new_sched(budget=16, prompt_cap=4)
+    a = _decoding(sched)
+    p1, p2, pull = make_seq(prompt(30, 100)), make_seq(prompt(8, 200)), _pull(prompt(20, 300))
+    for seq in (p1, p2, pull):
+        sched.add(seq)
+    batch = sched.schedule()
+    assert batch.seqs == [a, p1] and batch.num_tokens == [1, 4]
+    assert batch.pulls == [pull] and pull.status == SequenceStatus.PULLING
+    assert list(sched.waiting) == [p2]
+
+
+def test_a_pull_waits_behind_a_prompt_the_pool_has_no_blocks_for():
+    sched = new_sched(num_blocks=8, block_size=4, budget=64)
+    a = _decoding(sched)  # 3 blocks
+    big, pull = make_seq(prompt(24, 100)), _pull(prompt(4, 300))  # 6 blocks; 1 block
+    sched.add(big)
+    sched.add(pull)
+    batch = sched.schedule()
+    assert batch.seqs == [a] and batch.pulls == []
+    assert list(sched.waiting) == [big, pull]
+
+
+def test_without_chunked_prefill_the_cap_does_not_hold_a_prompt_back():
+    sched = new_sched(budget=32, chunked=False, prompt_cap=4)
+    sim = Sim(sched)
+    a = sim.add(make_seq(prompt(10, 0)), target=20)
+    sim.step()
+    b = sim.add(make_seq(prompt(12, 100)), target=2)
+    batch = sim.step()
+    assert batch.seqs == [a, b] and batch.num_tokens == [1, 12]
     sim.run()
 
 
@@ -476,6 +558,7 @@ def test_forked_sequences_copy_on_write():
         max_size=6,
     ),
     fork_mask=st.lists(st.booleans(), min_size=6, max_size=6),
+    prompt_cap=st.one_of(st.none(), st.integers(1, 8)),
 )
 def test_random_workloads_all_finish(
     block_size,
@@ -488,6 +571,7 @@ def test_random_workloads_all_finish(
     prefix_caching,
     requests,
     fork_mask,
+    prompt_cap,
 ):
     longest = max(len(p) + t for p, t in requests)
     # the pool must hold the longest sequence alone, or nothing could ever finish
@@ -503,6 +587,7 @@ def test_random_workloads_all_finish(
         mode=mode,
         host_blocks=host_blocks,
         prefix_caching=prefix_caching,
+        prompt_cap=prompt_cap,
     )
     seqs = [make_seq(p) for p, _ in requests]
     forks = {s.seq_id for s, f in zip(seqs, fork_mask) if f}
@@ -519,3 +604,5 @@ def test_scheduler_config_validation():
         SchedulerConfig(max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="preemption_mode"):
         SchedulerConfig(preemption_mode="drop")
+    with pytest.raises(ValueError, match="max_prompt_tokens_beside_decodes must be >= 1, got 0"):
+        SchedulerConfig(max_prompt_tokens_beside_decodes=0)
