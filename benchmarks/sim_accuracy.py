@@ -190,9 +190,14 @@ def _row_averages(
     return {k: tuple(average(list(v)) for v in zip(*(t[k] for t in tables))) for k in keys}
 
 
+# The sweeps were recorded before decode workers capped their steps' prompt tokens and the
+# router's --decode-busy-sequences fell from 32 to 16 (2026-11-28).
+RECORDED_PD = Layout(
+    num_prefill=1, num_decode=1, decode_busy_sequences=32, decode_prompt_tokens=None
+)
 CONFIGS = {
-    "disagg": (Layout(num_prefill=1, num_decode=1, disaggregation="always"), 1),
-    "disagg-cond": (Layout(num_prefill=1, num_decode=1), 1),
+    "disagg": (replace(RECORDED_PD, disaggregation="always"), 1),
+    "disagg-cond": (RECORDED_PD, 1),
     "2xcoloc": (Layout(num_colocated=2), 1),
     "1xcoloc": (Layout(num_colocated=1), 2),  # --threads 2 --max-num-batched-tokens 256
 }

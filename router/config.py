@@ -103,10 +103,11 @@ class RouterConfig:
     prefill_busy_tokens: int = setting(
         2048,
         "conditional: when the least busy prefill worker has more prompt tokens in flight than "
-        "this, prompts with no more uncached tokens than that go to their decode worker",
+        "this, a prompt with no more uncached tokens than that goes to its decode worker if "
+        "that worker's own queue, with it, is no longer than the prefill worker's",
     )
     decode_busy_sequences: int = setting(
-        32,
+        16,
         "conditional: a decode worker running this many sequences or more does not prefill "
         "for a busy prefill pool (its prefill would stall all of them)",
     )

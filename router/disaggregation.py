@@ -73,13 +73,16 @@ class ConditionalDisaggregation(DisaggregationPolicy):
       (reason ``short``, or ``cached`` when its decode worker caches the rest) - unless a short
       one finds the decode worker with ``local_tokens`` or more prompt tokens still to compute
       itself: a burst of short prompts, each of which would stall the worker's streams in turn
-      while the prefill pool idles. It goes to the prefill pool (``local_queue``);
+      while the prefill pool idles. It goes to the prefill pool (``local_queue``), unless that
+      pool is busy (next rule);
     - ``busy_tokens``: when even the least busy prefill worker has more prompt tokens in flight
-      than this, a prompt no longer than that wait is computed locally (``prefill_busy``) -
-      unless the decode worker already runs ``decode_busy_sequences`` or more sequences: its
-      prefill would stall all of them, so the prompt waits for the prefill pool
-      (``decode_busy``);
-    - anything else on a prefill worker (``long``).
+      than this, a prompt of at most ``busy_tokens`` uncached tokens is computed locally
+      (``prefill_busy``) if the decode worker's own queue, this prompt included, is no longer
+      than the prefill worker's: in a burst both workers compute prompts, each taking the next
+      one when its queue is the shorter, so neither idles while the other has a queue. Unless
+      the decode worker already runs ``decode_busy_sequences`` or more sequences: its prefill
+      would stall all of them, so the prompt waits for the prefill pool (``decode_busy``);
+    - anything else on a prefill worker (``long``, or ``local_queue`` for a short one).
     """
 
     name = "conditional"
@@ -91,17 +94,26 @@ class ConditionalDisaggregation(DisaggregationPolicy):
 
     def decide(self, facts: RequestFacts) -> Decision:
         uncached = facts.uncached_tokens
-        if uncached <= self.local_tokens:
-            if facts.prompt_tokens > self.local_tokens:
-                return Decision(False, "cached")
-            if facts.local_queue_tokens < self.local_tokens:
-                return Decision(False, "short")
-            return Decision(True, "local_queue")
-        if facts.prefill_queue_tokens > self.busy_tokens and uncached <= self.busy_tokens:
+        short = uncached <= self.local_tokens
+        if short and facts.prompt_tokens > self.local_tokens:
+            return Decision(False, "cached")
+        if short and facts.local_queue_tokens < self.local_tokens:
+            return Decision(False, "short")
+        if self._sooner_here(facts, uncached):
             if facts.decode_sequences >= self.decode_busy_sequences:
                 return Decision(True, "decode_busy")
             return Decision(False, "prefill_busy")
-        return Decision(True, "long")
+        return Decision(True, "local_queue" if short else "long")
+
+    def _sooner_here(self, facts: RequestFacts, uncached: int) -> bool:
+        """The prefill pool is busy and the decode worker's own queue, with this prompt, is no
+        longer than the least busy prefill worker's."""
+        waiting = facts.prefill_queue_tokens
+        return (
+            waiting > self.busy_tokens
+            and uncached <= self.busy_tokens
+            and facts.local_queue_tokens + uncached <= waiting
+        )
 
 
 def make_disaggregation_policy(

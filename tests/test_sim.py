@@ -171,6 +171,24 @@ def test_conditional_disaggregation_sends_exactly_the_prompts_over_the_threshold
     )
 
 
+@pytest.mark.parametrize(("cap", "longest_gap"), [(None, 0.911), (100, 0.111)])
+def test_a_decode_workers_prompt_cap_bounds_its_streams_gaps(
+    cap: int | None, longest_gap: float
+) -> None:
+    """A 900-token prompt computed on the decode worker beside a decoding stream: in one step
+    the stream waits 10 + 900 + 1 ms for its next token; capped at 100 prompt tokens a step,
+    10 + 100 + 1 ms (the engine's ``max_prompt_tokens_beside_decodes``)."""
+    requests = (TraceRequest(0, 0.0, 20, 60), TraceRequest(1, 0.2, 900, 4))
+    layout = Layout(
+        num_prefill=1, num_decode=1, local_prefill_tokens=1000, decode_prompt_tokens=cap
+    )
+    result = Simulation(Trace(requests, Schedule()), layout, timing()).run()
+    stream, prompt = result.requests
+    assert prompt.route == "local" and prompt.decision == "local:short"
+    gaps = [b - a for a, b in zip(stream.token_times, stream.token_times[1:])]
+    assert max(gaps) == pytest.approx(longest_gap, abs=1e-6)
+
+
 def test_a_handle_not_taken_within_the_lease_is_recomputed() -> None:
     """The decode pool holds one request: the second handle waits for it longer than the
     lease (not renewed), so the prefill worker frees it and the decode worker recomputes."""

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -46,10 +46,17 @@ from pdserve.sim.overheads import Overheads
 from pdserve.sim.timing import WorkerTiming
 from pdserve.sim.trace import Trace
 from pdserve.sim.worker import SimRequest, SimWorker, StepPlan
+from router.config import RouterConfig
 from router.disaggregation import RequestFacts, make_disaggregation_policy
+from services.worker.config import DECODE_PROMPT_TOKENS
 
 ARRIVE, STEP_END, PULL_END, LEASE_END = range(4)
 ROUTING_POLICIES = ("least_loaded", "round_robin")
+
+
+def _router_default(name: str) -> int:
+    """The router's default for one of its settings (declared there once)."""
+    return int(next(f.default for f in fields(RouterConfig) if f.name == name))
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,9 @@ class Layout:
     num_decode: int = 0
     num_colocated: int = 0
     disaggregation: str = "conditional"
-    local_prefill_tokens: int = 256
-    prefill_busy_tokens: int = 2048
-    decode_busy_sequences: int = 32
+    local_prefill_tokens: int = _router_default("local_prefill_tokens")
+    prefill_busy_tokens: int = _router_default("prefill_busy_tokens")
+    decode_busy_sequences: int = _router_default("decode_busy_sequences")
     policy: str = "least_loaded"
     lease_s: float = 5.0  # the prefill workers' --lease-seconds
     lease_renewed: bool = True  # the decode worker renews it while waiting for room
@@ -72,6 +79,9 @@ class Layout:
     # boundary while the prompt computes, and its pull waits at the prefill worker for the
     # blocks. False: the handle after that step (the decode worker learns of it then).
     early_handle: bool = True
+    # A decode worker's --max-prompt-tokens-beside-decodes (its default; None: uncapped, as the
+    # engine was before 2026-11-28 and in the sweeps recorded then).
+    decode_prompt_tokens: int | None = DECODE_PROMPT_TOKENS
 
     def __post_init__(self) -> None:
         if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:
@@ -154,7 +164,8 @@ class Simulation:
         self.pools: dict[str, Pool] = {}
         for role, count in roles.items():
             worker_timing = (timings or {}).get(role, timing)
-            workers = [SimWorker(i, role, worker_timing) for i in range(count)]
+            cap = layout.decode_prompt_tokens if role == "decode" else None
+            workers = [SimWorker(i, role, worker_timing, cap) for i in range(count)]
             self.pools[role] = Pool(role, workers, layout.policy)
         self.disaggregation = make_disaggregation_policy(
             layout.disaggregation,

@@ -79,10 +79,15 @@ class StepPlan:
 class SimWorker:
     """A worker of one role (``prefill``, ``decode`` or ``colocated``); see the module doc."""
 
-    def __init__(self, worker_id: int, role: str, timing: WorkerTiming):
+    def __init__(
+        self, worker_id: int, role: str, timing: WorkerTiming, prompt_cap: int | None = None
+    ):
+        """``prompt_cap``: the prompt tokens of a step beside decodes, at most (the engine's
+        ``max_prompt_tokens_beside_decodes``; None: what the budget leaves)."""
         self.worker_id = worker_id
         self.role = role
         self.timing = timing
+        self.prompt_cap = prompt_cap
         self.num_free_blocks = timing.num_blocks
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -144,7 +149,10 @@ class SimWorker:
             if request.num_blocks * block_size <= request.context and not self.make_room(request):
                 continue  # no room yet, or it was itself preempted
             decodes.append(request)
-        return StepPlan(self.plan_chunks(budget - len(decodes)), decodes)
+        room = budget - len(decodes)
+        if decodes and self.prompt_cap is not None:
+            room = min(room, self.prompt_cap)
+        return StepPlan(self.plan_chunks(room), decodes)
 
     def plan_chunks(self, budget: int) -> list[tuple[SimRequest, int, int]]:
         """Prompt chunks (request, start, tokens) from ``budget`` tokens, oldest first."""

@@ -57,9 +57,16 @@ def test_the_conditional_rule(
         (40, 0, 0, LOCAL - 1, Decision(False, "short")),
         # A burst: the decode worker already has a short prompt's worth to compute itself.
         (40, 0, 0, LOCAL, Decision(True, "local_queue")),
-        (40, 0, BUSY + 1, 10 * BUSY, Decision(True, "local_queue")),  # even to a busy pool
+        (40, 0, BUSY, 10 * BUSY, Decision(True, "local_queue")),  # the pool is not busy
+        (40, 0, BUSY + 1, 10 * BUSY, Decision(True, "local_queue")),  # its queue is shorter
         (300, 260, 0, 10 * BUSY, Decision(False, "cached")),  # its prefix is only there
-        (200, 0, BUSY + 1, 10 * BUSY, Decision(False, "prefill_busy")),  # the rules after: same
+        # The pool is busy: the prompt goes to the shorter queue, the decode worker's only while
+        # it runs fewer than DECODE_BUSY sequences.
+        (40, 0, BUSY + 1, BUSY + 1 - 40, Decision(False, "prefill_busy")),
+        (40, 0, BUSY + 1, BUSY + 2 - 40, Decision(True, "local_queue")),
+        (200, 0, 5 * BUSY, 4 * BUSY, Decision(False, "prefill_busy")),
+        (200, 0, 5 * BUSY, 5 * BUSY, Decision(True, "long")),
+        (200, 0, BUSY + 1, 10 * BUSY, Decision(True, "long")),
     ],
 )
 def test_a_burst_of_short_prompts_goes_to_the_prefill_pool(
@@ -68,6 +75,9 @@ def test_a_burst_of_short_prompts_goes_to_the_prefill_pool(
     policy = ConditionalDisaggregation(LOCAL, BUSY, DECODE_BUSY)
     facts = RequestFacts(prompt, cached, queued, 0, local_queue_tokens=local_queue)
     assert policy.decide(facts) == expected
+    if not expected.remote and expected.reason == "prefill_busy":
+        busy = RequestFacts(prompt, cached, queued, DECODE_BUSY, local_queue_tokens=local_queue)
+        assert policy.decide(busy) == Decision(True, "decode_busy")
 
 
 def test_always_and_unknown_policies() -> None:
@@ -146,11 +156,17 @@ def test_short_long_and_cached_prompts_go_where_they_cost_least(cluster) -> None
 def test_a_burst_of_short_prompts_is_shared_with_the_prefill_worker(cluster) -> None:  # type: ignore[no-untyped-def]
     """Eight short prompts at once: the decode worker computes the first ones itself, and those
     that find it with a short prompt's worth (LOCAL tokens) still to compute go to the prefill
-    worker. Once they are answered, its local queue is empty again: the next one is local."""
+    worker - or stay, once the prefill worker has more than BUSY tokens queued and a longer
+    queue than the decode worker's (``prefill_busy``). Once they are answered, its local queue
+    is empty again: the next one is local."""
     c, router = cluster
     before = {
         reason: decisions(router, decision, reason)
-        for decision, reason in (("local", "short"), ("remote", "local_queue"))
+        for decision, reason in (
+            ("local", "short"),
+            ("remote", "local_queue"),
+            ("local", "prefill_busy"),
+        )
     }
     prompts = [f"Request {i}: " + "tell me about paged attention " * 6 for i in range(8)]
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -159,8 +175,9 @@ def test_a_burst_of_short_prompts_is_shared_with_the_prefill_worker(cluster) -> 
     assert all(30 <= a["usage"]["prompt_tokens"] <= LOCAL for a in answers)  # all "short"
     short = decisions(router, "local", "short") - before["short"]
     remote = decisions(router, "remote", "local_queue") - before["local_queue"]
-    assert short + remote == len(prompts)
-    assert short >= 1 and remote >= 1, (short, remote)
+    busy = decisions(router, "local", "prefill_busy") - before["prefill_busy"]
+    assert short + remote + busy == len(prompts)
+    assert short >= 1 and remote >= 1, (short, remote, busy)
     sources = [a["usage"]["pdserve_timings"][0]["kv_source"] for a in answers]
     assert sources.count("pulled") == remote, sources
 
