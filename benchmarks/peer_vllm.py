@@ -381,13 +381,18 @@ def online(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
                     "cpu_s": cpu,
                 }
         finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server)
             log.close()
     return results
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within a minute."""
+    server.terminate()
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
 
 
 def print_online(results: dict[str, Any]) -> None:
