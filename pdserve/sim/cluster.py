@@ -56,7 +56,9 @@ ROUTING_POLICIES = ("least_loaded", "round_robin")
 
 def _router_default(name: str) -> int:
     """The router's default for one of its settings (declared there once)."""
-    return int(next(f.default for f in fields(RouterConfig) if f.name == name))
+    default = next(f.default for f in fields(RouterConfig) if f.name == name)
+    assert isinstance(default, int), name
+    return default
 
 
 @dataclass(frozen=True)
