@@ -73,15 +73,15 @@ class StepBudget:
     def grant(self, seq: Sequence) -> int:
         """Tokens ``seq`` may compute now: its uncomputed ones, within what is left."""
         wanted = min(seq.num_uncomputed_tokens, self.tokens)
-        return wanted if _decodes(seq) else min(wanted, self.prompt)
+        return wanted if is_decoding(seq) else min(wanted, self.prompt)
 
     def spend(self, seq: Sequence, num_tokens: int) -> None:
         self.tokens -= num_tokens
-        if not _decodes(seq):
+        if not is_decoding(seq):
             self.prompt -= num_tokens
 
 
-def _decodes(seq: Sequence) -> bool:
+def is_decoding(seq: Sequence) -> bool:
     """Whether ``seq`` computes the token after its last generated one (not a prompt chunk, nor
     a context recomputed after preemption)."""
     return seq.num_uncomputed_tokens == 1 and seq.num_tokens > seq.num_prompt_tokens
@@ -141,7 +141,8 @@ class Scheduler:
         budget = StepBudget(self.token_budget, self.token_budget)
         cap = self.config.max_prompt_tokens_beside_decodes
         chunked = self.config.enable_chunked_prefill  # else a prompt must go whole: no cap
-        if cap is not None and chunked and any(_decodes(seq) for seq in self.running):
+        streams = (*self.running, *self.swapped)  # swapped ones come back to decode
+        if cap is not None and chunked and any(is_decoding(seq) for seq in streams):
             budget.prompt = min(cap, self.token_budget)
         self._schedule_running(batch, budget)
         if batch.num_preempted == 0:
@@ -260,7 +261,7 @@ class Scheduler:
         batch.add(seq, num_new)
         if seq.pin_blocks:
             batch.prefills.append(seq)
-        budget.tokens -= num_new
+        budget.tokens -= num_new  # an admitted sequence computes context, never a decode
         budget.prompt -= num_new
         return True
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from common.sampling_params import SamplingParams
 from services.engine.block_pool import BlockPool, HostBlockPool
 from services.engine.config import SchedulerConfig
-from services.engine.scheduler import ScheduledBatch, Scheduler
+from services.engine.scheduler import ScheduledBatch, Scheduler, is_decoding
 from services.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 _ids = itertools.count()
@@ -63,6 +63,8 @@ class Sim:
     def step(self) -> ScheduledBatch:
         sched, pool = self.sched, self.pool
         running_before = list(sched.running)
+        # The streams at the step's start: their next token waits for the whole step.
+        streams = [s for s in [*sched.running, *sched.swapped] if is_decoding(s)]
         batch = sched.schedule()
         self.batches.append(batch)
         self.steps += 1
@@ -72,12 +74,10 @@ class Sim:
         assert batch.total_tokens <= sched.token_budget, "token budget exceeded"
         assert all(n >= 1 for n in batch.num_tokens)
         cap = cfg.max_prompt_tokens_beside_decodes
-        decodes = [
-            n == 1 and s.num_tokens > s.num_prompt_tokens
-            for s, n in zip(batch.seqs, batch.num_tokens)
-        ]
-        if cap is not None and cfg.enable_chunked_prefill and any(decodes):
-            prompt_tokens = sum(n for n, d in zip(batch.num_tokens, decodes) if not d)
+        if cap is not None and cfg.enable_chunked_prefill and streams:
+            prompt_tokens = sum(
+                n for s, n in zip(batch.seqs, batch.num_tokens) if not (s in streams and n == 1)
+            )
             assert prompt_tokens <= cap, "a step beside decodes computed more prompt than the cap"
         assert len(set(map(id, batch.seqs))) == len(batch.seqs), "a sequence scheduled twice"
         if self.check_seq_cap:
