@@ -38,7 +38,11 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     assumes one process runs the session's items in order: under pytest-xdist a process may run
     the last one before its other router modules, which then find no workers (tried: -n 2 took
     the suite from 29 to 23 min on 2 cores, with four such errors; with the pair kept to the end
-    under xdist, a worker process went down twice and the run hung at 98%)."""
+    under xdist, a worker process went down twice and the run hung at 98%). Tried again on
+    2026-11-28 (22-23 min one at a time): ``-n 2 --dist loadfile`` with the timing tests after
+    it alone took 13.5 + 6 min, but memory peaked at 22.9 of 24 GiB (two test processes of ~5
+    GiB beside up to eight 1.3 GiB workers: the OOM killer took one in the first try), and one
+    run hit the errors above; this folder as one xdist group made the first part 19 min."""
     yield
     pair = item.config.stash.get(SHARED, None)
     if pair is None:
