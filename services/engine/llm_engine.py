@@ -17,6 +17,8 @@ room -> pulling (``take_pull_plans``) -> ``commit_pull`` or ``recompute_pull`` -
 from __future__ import annotations
 
 import time
+import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -125,7 +127,7 @@ class LLMEngine:
         self.builder = RequestBuilder(
             self.tokenizer, vocab, self.max_model_len, self.outputs, self.pool, self.scheduler
         )
-        self.handoff = KVHandoff(self.scheduler, self.runner, self.outputs, self._check_stop)
+        self.handoff = KVHandoff(self.scheduler, self.runner, self.outputs, self._weak_check_stop())
         self._requests: dict[str, RequestState] = {}
 
     # ----- requests -------------------------------------------------------------------------
@@ -287,6 +289,19 @@ class LLMEngine:
             if out.finished:
                 del self._requests[out.request_id]
         return outputs
+
+    def _weak_check_stop(self) -> Callable[[RequestState, Sequence], None]:
+        """``_check_stop`` for the hand-off, which the engine owns: held strongly, the method
+        would make the two a reference cycle, which only the cyclic collector frees (a dropped
+        engine kept its KV pool and weights until it ran)."""
+        method = weakref.WeakMethod(self._check_stop)
+
+        def check_stop(request: RequestState, seq: Sequence) -> None:
+            bound = method()
+            if bound is not None:  # else the engine is gone, and so are its requests
+                bound(request, seq)
+
+        return check_stop
 
     def _check_stop(self, request: RequestState, seq: Sequence) -> None:
         """Apply the stop conditions to ``seq``'s newest token, finishing it if one holds."""

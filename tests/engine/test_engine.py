@@ -3,6 +3,9 @@ sampling options behave, bad input gets a clear error, and no KV block leaks."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -201,3 +204,20 @@ def test_bfloat16_is_selectable():
 
 def test_engine_sizes_its_thread_pool(llm):
     assert torch.get_num_threads() == llm.engine.config.num_threads == 2
+
+
+def test_a_dropped_llm_is_freed_at_once_without_the_cyclic_collector() -> None:
+    """No reference cycle holds an engine: dropping the last reference to an ``LLM`` frees its
+    engine, KV pool and weights at once. (The hand-off held the engine's bound method: a cycle,
+    freed only when the cyclic collector ran, which big tensors do not make it do; a dropped
+    engine's 1.1 GB stayed.)"""
+    gc.disable()
+    try:
+        llm = LLM(num_blocks=16)
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=2))
+        assert len(out[0].outputs[0].token_ids) == 2
+        engine = weakref.ref(llm.engine)
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()
