@@ -115,7 +115,10 @@ def _compile(compiler: Any, spec: StructuredOutput) -> Any:
             or not all(isinstance(c, str) for c in choices)
         ):
             raise ValueError("choice must be a non-empty list of strings")
-        return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in choices))
+        # ensure_ascii=False: an escaped character beyond the BMP is a surrogate pair, which the
+        # grammar reads as two code points (bytes no UTF-8 text has)
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+        return compiler.compile_grammar("root ::= " + alternatives)
     if spec.kind == "grammar":
         return compiler.compile_grammar(spec.spec)
     raise ValueError(f"unknown kind {spec.kind!r}")
