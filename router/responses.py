@@ -342,8 +342,8 @@ class ResponseBuilder:
 
     def _chat_entry(self, entry: list[tuple[int, float]]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
-            text = self._token(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            raw = list(self.tokenizer.token_bytes(token_id))  # a character's part: its bytes
+            return {"token": self._token(token_id), "logprob": logprob, "bytes": raw}
 
         first = item(*entry[0])
         first["top_logprobs"] = [item(t, lp) for t, lp in self._top(entry)]

@@ -6,7 +6,9 @@ Uses the ``tokenizers`` library directly: fast, and free of transformers' import
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprob ``bytes``). A token holding part of
+        a multi-byte character decodes alone to U+FFFD; its real bytes come from its vocabulary
+        entry instead: a byte-level BPE piece through GPT-2's byte alphabet, a byte-fallback
+        piece (``<0xE3>``) as its byte. Joined in order, the tokens' bytes are the text's."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        if fallback := _BYTE_FALLBACK.fullmatch(piece):
+            return bytes([int(fallback.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        if piece and all(char in alphabet for char in piece):
+            return bytes(alphabet[char] for char in piece)
+        return text.encode()
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -83,6 +101,20 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             tools=tools,
         )
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for
+    themselves, the other 68 for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    table = {chr(b): b for b in printable}
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
 
 
 def _raise_exception(message: str) -> None:

@@ -11,6 +11,8 @@ import itertools
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from common.sampling_params import SamplingParams
 from services.engine.detokenizer import IncrementalDetokenizer
@@ -195,6 +197,31 @@ def test_incremental_detokenizer_holds_partial_characters(tokenizer):
     deltas = [detok.add(t) for t in ids]
     assert deltas[:-1] == [""] * (len(ids) - 1)
     assert deltas[-1] == "😀"
+
+
+# Not: unassigned code points and control characters (SmolLM2's vocabulary cannot write some
+# of their bytes); surrogates are not text.
+WRITABLE = st.characters(exclude_categories=("Cs", "Cn", "Cc"))
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=st.one_of(st.text(WRITABLE, min_size=1, max_size=40), st.sampled_from(TEXTS)))
+def test_tokens_bytes_join_to_the_texts_bytes(tokenizer, text):
+    """OpenAI's logprob ``bytes``: each token's own bytes, so that joined in order they are the
+    text's UTF-8, also where a token holds only part of a character (it decodes alone to
+    U+FFFD, whose bytes were given before)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tokenizer.token_bytes(t) for t in ids) == text.encode()
+
+
+def test_a_token_inside_a_character_has_its_own_bytes(tokenizer):
+    ids = tokenizer.encode("🤖", add_special_tokens=False)
+    assert len(ids) > 1 and tokenizer.decode(ids[:1]) == "\ufffd"  # a part of a character
+    assert [tokenizer.token_bytes(t) for t in ids] == [b"\xf0\x9f", b"\xa4", b"\x96"]
+    special = tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert [tokenizer.token_bytes(t) for t in special] == [b"<|im_end|>"]
 
 
 def test_incremental_detokenizer_skips_special_tokens(tokenizer):

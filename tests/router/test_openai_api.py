@@ -178,6 +178,26 @@ def test_logprobs(client):  # type: ignore[no-untyped-def]
     assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in content)
 
 
+def test_logprob_bytes_join_to_the_answer_inside_characters(client):  # type: ignore[no-untyped-def]
+    """A choice of characters that tokens split (an emoji of four bytes, CJK of three), through
+    prefill, hand-off and decode: the answer is the choice, and the tokens' logprob ``bytes``,
+    joined, are its UTF-8 (a token inside a character reads U+FFFD; its bytes are its own)."""
+    choice = "日本語と🤖"
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=24,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"structured_outputs": {"choice": [choice]}},
+    )
+    assert chat.choices[0].message.content == choice
+    content = chat.choices[0].logprobs.content
+    assert "\ufffd" in [e.token for e in content]  # the case this test is about did occur
+    assert b"".join(bytes(e.bytes) for e in content) == f"{choice}<|im_end|>".encode()
+
+
 def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
     # The prefill worker's first token is the whole answer: a decode worker called early (the
     # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and
