@@ -82,6 +82,7 @@ class SamplingParams:
     # alternatives each (vLLM's prompt_logprobs); None: not computed.
     prompt_logprobs: int | None = None
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string ends a sequence before
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that matched stays in
     structured: StructuredOutput | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:

@@ -49,6 +49,7 @@ def params_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         min_tokens=p.min_tokens,
+        include_stop_str_in_output=p.include_stop_str_in_output,
         structured=(
             StructuredOutput(p.structured.kind, p.structured.spec)
             if p.HasField("structured")
@@ -74,6 +75,7 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
         skip_special_tokens=s.skip_special_tokens,
         logit_bias=s.logit_bias,
         min_tokens=s.min_tokens,
+        include_stop_str_in_output=s.include_stop_str_in_output,
     )
     if s.prompt_logprobs is not None:
         msg.prompt_logprobs = s.prompt_logprobs

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xc2\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x12\n\nmax_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x16 \x01(\r\x12\x30\n\nstructured\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xb3\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tchecksums\x18\x08 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\t \x03(\x03\x12\x1d\n\x15lease_expires_unix_ms\x18\n \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x0b \x01(\t\x12\x17\n\x0frelease_address\x18\x0c \x01(\t\x12\x11\n\tstreaming\x18\r \x01(\x08\"b\n\x0cPhaseTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x1a\n\x12transfer_exposed_s\x18\x04 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\rTokenLogprobs\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"y\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"h\n\x0cPrefillEvent\x12\"\n\x02kv\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x42\x07\n\x05\x65vent\"\x9a\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x12\n\nfirst_text\x18\x06 \x01(\t\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\x12\x32\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\'\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"D\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x1d\n\x15lease_expires_unix_ms\x18\x02 \x01(\x04\"\x80\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x0b\x66irst_token\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x31\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x0e\n\x0c_first_token\"\xc0\x02\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x11\n\tkv_source\x18\t \x01(\t\x12)\n\x07timings\x18\n \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\x12\x32\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs2\xae\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12G\n\rPrefillStream\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse2U\n\rDecodeService\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xe6\x04\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\t \x01(\x02\x12\x12\n\nmax_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x16 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x17 \x01(\x08\x12\x30\n\nstructured\x18\x10 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xb3\x02\n\x08KVHandle\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x11\n\ttransport\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12$\n\x06layout\x18\x07 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x11\n\tchecksums\x18\x08 \x03(\r\x12\x14\n\x0c\x62lock_hashes\x18\t \x03(\x03\x12\x1d\n\x15lease_expires_unix_ms\x18\n \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x0b \x01(\t\x12\x17\n\x0frelease_address\x18\x0c \x01(\t\x12\x11\n\tstreaming\x18\r \x01(\x08\"b\n\x0cPhaseTimings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\x12\x1a\n\x12transfer_exposed_s\x18\x04 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"8\n\rTokenLogprobs\x12\'\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"y\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"h\n\x0cPrefillEvent\x12\"\n\x02kv\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVHandleH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.pdserve.v1.PrefillResponseH\x00\x42\x07\n\x05\x65vent\"\x9a\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x12\n\nfirst_text\x18\x06 \x01(\t\x12)\n\x07timings\x18\x07 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\x12\x32\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\'\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"D\n\x12RenewLeaseResponse\x12\x0f\n\x07renewed\x18\x01 \x01(\x08\x12\x1d\n\x15lease_expires_unix_ms\x18\x02 \x01(\x04\"\x80\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x18\n\x0b\x66irst_token\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x31\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x02kv\x18\x06 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x0e\n\x0c_first_token\"\xc0\x02\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x11\n\tkv_source\x18\t \x01(\t\x12)\n\x07timings\x18\n \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\x12\x32\n\x0fprompt_logprobs\x18\x14 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs2\xae\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12G\n\rPrefillStream\x12\x1a.pdserve.v1.PrefillRequest\x1a\x18.pdserve.v1.PrefillEvent0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponse2U\n\rDecodeService\x12\x44\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x19.pdserve.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,41 +34,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=37
-  _globals['_SAMPLINGPARAMS']._serialized_end=615
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=525
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=573
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=617
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=663
-  _globals['_KVLAYOUT']._serialized_start=665
-  _globals['_KVLAYOUT']._serialized_end=770
-  _globals['_KVHANDLE']._serialized_start=773
-  _globals['_KVHANDLE']._serialized_end=1080
-  _globals['_PHASETIMINGS']._serialized_start=1082
-  _globals['_PHASETIMINGS']._serialized_end=1180
-  _globals['_TOPLOGPROB']._serialized_start=1182
-  _globals['_TOPLOGPROB']._serialized_end=1229
-  _globals['_TOKENLOGPROBS']._serialized_start=1231
-  _globals['_TOKENLOGPROBS']._serialized_end=1287
-  _globals['_PREFILLREQUEST']._serialized_start=1289
-  _globals['_PREFILLREQUEST']._serialized_end=1410
-  _globals['_PREFILLEVENT']._serialized_start=1412
-  _globals['_PREFILLEVENT']._serialized_end=1516
-  _globals['_PREFILLRESPONSE']._serialized_start=1519
-  _globals['_PREFILLRESPONSE']._serialized_end=1801
-  _globals['_RELEASEREQUEST']._serialized_start=1803
-  _globals['_RELEASEREQUEST']._serialized_end=1839
-  _globals['_RELEASERESPONSE']._serialized_start=1841
-  _globals['_RELEASERESPONSE']._serialized_end=1876
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1878
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1917
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1919
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1987
-  _globals['_GENERATEREQUEST']._serialized_start=1990
-  _globals['_GENERATEREQUEST']._serialized_end=2246
-  _globals['_GENERATECHUNK']._serialized_start=2249
-  _globals['_GENERATECHUNK']._serialized_end=2569
-  _globals['_PREFILLSERVICE']._serialized_start=2572
-  _globals['_PREFILLSERVICE']._serialized_end=2874
-  _globals['_DECODESERVICE']._serialized_start=2876
-  _globals['_DECODESERVICE']._serialized_end=2961
+  _globals['_SAMPLINGPARAMS']._serialized_end=651
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=561
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=609
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=653
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=699
+  _globals['_KVLAYOUT']._serialized_start=701
+  _globals['_KVLAYOUT']._serialized_end=806
+  _globals['_KVHANDLE']._serialized_start=809
+  _globals['_KVHANDLE']._serialized_end=1116
+  _globals['_PHASETIMINGS']._serialized_start=1118
+  _globals['_PHASETIMINGS']._serialized_end=1216
+  _globals['_TOPLOGPROB']._serialized_start=1218
+  _globals['_TOPLOGPROB']._serialized_end=1265
+  _globals['_TOKENLOGPROBS']._serialized_start=1267
+  _globals['_TOKENLOGPROBS']._serialized_end=1323
+  _globals['_PREFILLREQUEST']._serialized_start=1325
+  _globals['_PREFILLREQUEST']._serialized_end=1446
+  _globals['_PREFILLEVENT']._serialized_start=1448
+  _globals['_PREFILLEVENT']._serialized_end=1552
+  _globals['_PREFILLRESPONSE']._serialized_start=1555
+  _globals['_PREFILLRESPONSE']._serialized_end=1837
+  _globals['_RELEASEREQUEST']._serialized_start=1839
+  _globals['_RELEASEREQUEST']._serialized_end=1875
+  _globals['_RELEASERESPONSE']._serialized_start=1877
+  _globals['_RELEASERESPONSE']._serialized_end=1912
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1914
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1953
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1955
+  _globals['_RENEWLEASERESPONSE']._serialized_end=2023
+  _globals['_GENERATEREQUEST']._serialized_start=2026
+  _globals['_GENERATEREQUEST']._serialized_end=2282
+  _globals['_GENERATECHUNK']._serialized_start=2285
+  _globals['_GENERATECHUNK']._serialized_end=2605
+  _globals['_PREFILLSERVICE']._serialized_start=2608
+  _globals['_PREFILLSERVICE']._serialized_end=2910
+  _globals['_DECODESERVICE']._serialized_start=2912
+  _globals['_DECODESERVICE']._serialized_end=2997
 # @@protoc_insertion_point(module_scope)

@@ -77,7 +77,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         admission.check_shape(client, len(texts), body.n, body.stop)
         lengths = [len(p) for p in texts if isinstance(p, str)]
         admission.check_text(lengths, gateway.model.max_model_len, "prompt")
-        prompts = await asyncio.gather(*(_tokenized(gateway, client, deadline, p) for p in texts))
+        special = body.add_special_tokens
+        tokenized = (_tokenized(gateway, client, deadline, p, special) for p in texts)
+        prompts = await asyncio.gather(*tokenized)
 
         def params(prompt_len: int):  # type: ignore[no-untyped-def]
             max_tokens = gateway.max_tokens_for(prompt_len, body.max_tokens, "max_tokens", "prompt")
@@ -101,8 +103,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         messages, tools = body.template_messages(), body.tool_plan().template_tools
         num_chars = _text_length(messages) + len(json.dumps(tools) if tools else "")
         admission.check_text([num_chars], gateway.model.max_model_len, "messages")
-        chat_prompt = gateway.chat_prompt
-        prompt = await admission.run_tokenizer(client, deadline, chat_prompt, messages, tools)
+        chat_prompt, options = gateway.chat_prompt, body.template_options()
+        prompt = await admission.run_tokenizer(
+            client, deadline, chat_prompt, messages, tools, options
+        )
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
 
         def params(prompt_len: int):  # type: ignore[no-untyped-def]
@@ -177,10 +181,17 @@ def _arrival(gateway: Gateway, request: Request) -> tuple[float, Client, float]:
 
 
 async def _tokenized(
-    gateway: Gateway, client: Client, deadline: float, prompt: str | list[int]
+    gateway: Gateway,
+    client: Client,
+    deadline: float,
+    prompt: str | list[int],
+    add_special_tokens: bool,
 ) -> list[int]:
     if isinstance(prompt, str):  # text: tokenized in the pool, at the client's turn
-        return await gateway.admission.run_tokenizer(client, deadline, gateway.tokenize, prompt)
+        work = gateway.tokenize
+        return await gateway.admission.run_tokenizer(
+            client, deadline, work, prompt, False, add_special_tokens
+        )
     return gateway.tokenize(prompt)  # ids: only checked against the vocabulary
 
 

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 JINJA_MARKS = ("{{", "{%")
 
@@ -18,3 +20,13 @@ def load_chat_template(value: str) -> str:
             f"--chat-template {value}: no such file, and not a Jinja template ('{{{{' or '{{%')"
         )
     return path.read_text()
+
+
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How one chat request is rendered and tokenized (vLLM's request fields of these names)."""
+
+    add_generation_prompt: bool = True  # open the assistant's turn
+    continue_final_message: bool = False  # go on with the last message instead
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
+    add_special_tokens: bool = False  # the template writes BOS itself

@@ -16,7 +16,7 @@ from typing import Any
 
 from common.sampling_params import SamplingParams
 from router.admission import Admission
-from router.chat_template import load_chat_template
+from router.chat_template import ChatTemplateOptions, load_chat_template
 from router.clients import ClientKeys
 from router.config import RouterConfig
 from router.errors import APIError
@@ -143,9 +143,14 @@ class Gateway:
 
     # -- prompts -------------------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+    def tokenize(
+        self, prompt: str | list[int], chat: bool = False, add_special_tokens: bool | None = None
+    ) -> list[int]:
+        """Token ids of a text (with BOS where the tokenizer adds it: by default for a
+        completion, not for a rendered chat) or ids checked against the vocabulary."""
         if isinstance(prompt, str):
-            ids = self.model.tokenizer.encode(prompt, add_special_tokens=not chat)
+            special = not chat if add_special_tokens is None else add_special_tokens
+            ids = self.model.tokenizer.encode(prompt, add_special_tokens=special)
         else:
             ids = list(prompt)
             vocab = self.model.tokenizer.vocab_size
@@ -158,17 +163,27 @@ class Gateway:
         return ids
 
     def chat_prompt(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        options: ChatTemplateOptions | None = None,
     ) -> list[int]:
         """The conversation (and the tools it may call) rendered by the model's chat template,
         tokenized."""
+        options = options or ChatTemplateOptions()
         try:
-            text = self.model.tokenizer.apply_chat_template(messages, tools=tools)
+            text = self.model.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=options.add_generation_prompt,
+                tools=tools,
+                continue_final_message=options.continue_final_message,
+                template_kwargs=options.template_kwargs,
+            )
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except Exception as exc:  # the template itself refused the conversation
             raise APIError(400, f"chat template error: {exc}", param="messages") from exc
-        return self.tokenize(text, chat=True)
+        return self.tokenize(text, chat=True, add_special_tokens=options.add_special_tokens)
 
     def max_tokens_for(
         self, prompt_len: int, requested: int | None, param: str, prompt_param: str

@@ -1,9 +1,11 @@
 """The OpenAI request bodies the gateway accepts, validated at the edge (pydantic).
 
 Fields OpenAI defines but pdserve cannot honour (suffix, best_of != n, non-text content)
-are refused with a 400 naming them rather than silently ignored; unknown extra fields are
-ignored, as OpenAI's own server does. vLLM's sampling extensions (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, prompt_logprobs) are
+are refused with a 400 naming them rather than silently ignored, and so are vLLM's
+(``_VLLM_NOT_HONOURED``); other unknown fields are ignored, as OpenAI's own server does.
+vLLM's sampling extensions (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+skip_special_tokens, prompt_logprobs, include_stop_str_in_output), its chat-template fields
+(add_generation_prompt, continue_final_message, chat_template_kwargs, add_special_tokens) are
 accepted too, and so is its ``cache_salt``: a request's prefix-cache hits (and
 ``cached_tokens``) are only blocks computed under the same salt. ``echo`` with ``logprobs``
 asks for the prompt's logprobs (as vLLM: ``prompt_logprobs`` = ``logprobs``); ``max_tokens: 0``
@@ -18,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator
 
 from common.sampling_params import MAX_LOGIT_BIAS, SamplingParams, StructuredOutput
+from router.chat_template import ChatTemplateOptions
 from router.errors import APIError
 from router.tool_calls import (
     MessageToolCall,
@@ -49,6 +52,52 @@ Text = Annotated[StrictStr, AfterValidator(_encodable)]
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+
+# vLLM's request fields that pdserve does not honour, with the values that ask nothing of it;
+# any other value is refused with a 400 naming the field (ignored, the output would differ
+# from what the client asked for).
+_VLLM_NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1, 1.0), "length_penalty belongs to beam search, which is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported; logit_bias is"),
+    "bad_words": ((), "bad_words is not supported; logit_bias is"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens is not supported"),
+    "logits_processors": ((), "logits_processors are not supported"),
+    "prompt_embeds": ((), "prompt_embeds are not supported"),
+    "priority": ((0,), "priority scheduling is not supported"),
+    "kv_transfer_params": (
+        (),
+        "kv_transfer_params is not taken: pdserve's router decides "
+        "where each prompt is computed (--disaggregation)",
+    ),
+    "vllm_xargs": ((), "vllm_xargs are not supported"),
+    **{
+        f"guided_{kind}": ((), f"guided_{kind} was removed in vLLM v0.12; use structured_outputs")
+        for kind in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")
+    },
+}
+_VLLM_CHAT_NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "echo": ((False,), "echo is not supported on chat completions"),
+    "chat_template": (
+        (),
+        "a request's own chat template is not taken; start the router with --chat-template",
+    ),
+    "documents": ((), "documents are not supported"),
+    "mm_processor_kwargs": ((), "mm_processor_kwargs: only text models are served"),
+}
+# Variables the router gives every chat template: chat_template_kwargs cannot replace them.
+_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def _refuse_not_honoured(
+    extra: dict[str, Any] | None, table: dict[str, tuple[tuple[Any, ...], str]]
+) -> None:
+    for name, value in (extra or {}).items():
+        if name in table and value is not None and value not in table[name][0]:
+            raise APIError(400, table[name][1], param=name)
 
 
 def _is_token_id(key: str) -> bool:
@@ -96,7 +145,7 @@ class StructuredOutputsParams(BaseModel):
 class _SamplingFields(BaseModel):
     """What both endpoints share: the model, sampling, stopping and streaming."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to be checked: see _VLLM_NOT_HONOURED
 
     model: StrictStr
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
@@ -127,6 +176,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
+    include_stop_str_in_output: bool = False
     # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
@@ -140,6 +190,7 @@ class _SamplingFields(BaseModel):
         return value
 
     def check_supported(self) -> None:
+        _refuse_not_honoured(self.model_extra, _VLLM_NOT_HONOURED)
         if not all(_is_token_id(key) for key in self.logit_bias or {}):
             raise APIError(400, "logit_bias keys must be token ids", param="logit_bias")
         if self.stream and self.prompt_logprobs is not None:  # as vLLM
@@ -183,6 +234,7 @@ class _SamplingFields(BaseModel):
                 logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                 prompt_logprobs=self.num_prompt_logprobs,
                 min_tokens=self.min_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 structured=self.structured_output(),
             )
         except ValueError as exc:  # SamplingParams names the field first
@@ -238,6 +290,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -306,6 +359,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None  # none, auto, required, a function
     parallel_tool_calls: bool | None = None
+    # vLLM's: how the conversation is rendered (router.chat_template.ChatTemplateOptions)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
     # Output kinds a text model cannot produce: refused when asked for (the check below).
     audio: Any = None
     modalities: list[str] | None = None
@@ -313,7 +371,9 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        _refuse_not_honoured(self.model_extra, _VLLM_CHAT_NOT_HONOURED)
         self._check_text_only()
+        self._check_template_options()
         self.tool_plan()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -325,6 +385,23 @@ class ChatCompletionRequest(_SamplingFields):
         if self.web_search_options is not None:
             msg = "web search is not supported"
             raise APIError(400, msg, param="web_search_options")
+
+    def _check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            msg = "continue_final_message needs add_generation_prompt: false"
+            raise APIError(400, msg, param="continue_final_message")
+        taken = sorted(set(self.chat_template_kwargs or {}) & set(_TEMPLATE_VARIABLES))
+        if taken:
+            msg = f"chat_template_kwargs cannot set {', '.join(taken)} (use the request's fields)"
+            raise APIError(400, msg, param="chat_template_kwargs")
+
+    def template_options(self) -> ChatTemplateOptions:
+        return ChatTemplateOptions(
+            add_generation_prompt=self.add_generation_prompt,
+            continue_final_message=self.continue_final_message,
+            template_kwargs=dict(self.chat_template_kwargs or {}),
+            add_special_tokens=self.add_special_tokens,
+        )
 
     def tool_plan(self) -> ToolPlan:
         """What ``tools`` and ``tool_choice`` ask for (router.tool_calls); 400 when invalid."""

@@ -82,6 +82,8 @@ class OutputProcessor:
             match = find_stop_string(text, len(text) - len(state.held), stops)
             if match is not None:
                 index, stop = match
+                if request.params.include_stop_str_in_output:
+                    index += len(stop)
                 state.new_text.append(text[:index])
                 state.held = ""
                 return FinishReason.STOP, stop

@@ -80,9 +80,14 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """Render ``messages`` with the model's own template (jinja2, sandboxed); ``tools``:
-        the functions the model may call, as transformers passes them (OpenAI's tool dicts)."""
+        the functions the model may call, as transformers passes them (OpenAI's tool dicts).
+        ``continue_final_message``: the text ends right after the last message's content, so
+        the model goes on with it (transformers' rule); ``template_kwargs``: more variables
+        for the template (vLLM's ``chat_template_kwargs``, say ``enable_thinking``)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use the completions API")
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -94,13 +99,20 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         template = env.from_string(self.chat_template)
-        return template.render(
+        if continue_final_message:  # mark where the last message's content ends
+            if not messages:
+                raise ValueError("continue_final_message: there is no message to continue")
+            last = {**messages[-1], "content": (messages[-1].get("content") or "") + _END_MARK}
+            messages = [*messages[:-1], last]
+        text = template.render(
+            **(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             tools=tools,
         )
+        return _cut_at_end_mark(text) if continue_final_message else text
 
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -115,6 +127,19 @@ def _byte_level_alphabet() -> dict[str, int]:
     table = {chr(b): b for b in printable}
     table.update({chr(256 + i): b for i, b in enumerate(others)})
     return table
+
+
+# Appended to the message to continue, then cut away with everything after it (transformers'
+# way). Its space tells whether the template trimmed the content: then so is the prompt.
+_END_MARK = "<pdserve-continue-here> "
+
+
+def _cut_at_end_mark(text: str) -> str:
+    mark = _END_MARK.strip()
+    if mark not in text:
+        raise ValueError("continue_final_message: the template drops the last message's content")
+    at = text.rindex(mark)
+    return text[:at] if text.startswith(_END_MARK, at) else text[:at].rstrip()
 
 
 def _raise_exception(message: str) -> None:

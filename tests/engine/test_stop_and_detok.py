@@ -264,3 +264,40 @@ def test_chat_template_renders_smollm2_format(tokenizer):
     )
     no_gen = tokenizer.apply_chat_template(with_system, add_generation_prompt=False)
     assert no_gen.endswith("<|im_start|>user\nBye<|im_end|>\n")
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": "Hel"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi"}],  # said before
+    [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2, "}],  # spaces
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Go on:"}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+@pytest.mark.parametrize("continue_final_message", [True, False])
+def test_chat_template_options_render_as_transformers(tokenizer, messages, continue_final_message):
+    """vLLM's add_generation_prompt: false and continue_final_message render the prompt as
+    transformers does (the text ends where the last message's content ends: the model goes on
+    with it), with the model's own template."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    ours = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=continue_final_message
+    )
+    (theirs,), _ = render_jinja_template(
+        [messages],
+        chat_template=tokenizer.chat_template,
+        continue_final_message=continue_final_message,
+        add_generation_prompt=False,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
+    assert ours == theirs
+    assert ours.endswith(messages[-1]["content"]) == continue_final_message
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenizer, "chat_template", "{{ greeting }} {{ messages[0].content }}")
+    messages = [{"role": "user", "content": "there"}]
+    assert tokenizer.apply_chat_template(messages, template_kwargs={"greeting": "Hi"}) == "Hi there"

@@ -198,6 +198,49 @@ def test_logprob_bytes_join_to_the_answer_inside_characters(client):  # type: ig
     assert b"".join(bytes(e.bytes) for e in content) == f"{choice}<|im_end|>".encode()
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client, llm):  # type: ignore[no-untyped-def]
+    """vLLM's include_stop_str_in_output, streamed and not, through the hand-off: the text ends
+    with the stop string, where without it the text ends before it; both the offline engine's."""
+    (free,) = offline(llm, PROMPTS[:1], max_tokens=12)
+    stop = free.text[4:7]  # a stop string the greedy answer runs into
+    cut = free.text[: free.text.index(stop)]
+    (kept,) = offline(llm, PROMPTS[:1], max_tokens=12, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == cut + stop
+    for stream in (False, True):
+        response = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[0],
+            max_tokens=12,
+            temperature=0,
+            stop=[stop],
+            stream=stream,
+            extra_body={"include_stop_str_in_output": True},
+        )
+        chunks = list(response) if stream else [response]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == cut + stop
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_continue_final_message_goes_on_with_the_assistants_text(client, llm):  # type: ignore[no-untyped-def]
+    """vLLM's continue_final_message: the prompt ends inside the assistant's message (no end of
+    turn, no new turn), so the answer goes on with it; the offline engine's on that prompt."""
+    messages = [*CHAT, {"role": "assistant", "content": "The capital of France"}]
+    text = llm.get_tokenizer().apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert text.endswith("<|im_start|>assistant\nThe capital of France")
+    (expected,) = offline(llm, [text], max_tokens=8)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert chat.choices[0].message.content == expected.text
+    assert chat.usage.prompt_tokens == len(llm.get_tokenizer().encode(text, False))
+
+
 def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
     # The prefill worker's first token is the whole answer: a decode worker called early (the
     # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and
