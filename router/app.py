@@ -25,11 +25,12 @@ from common import tracing
 from router.access_log import AccessEntry, AccessLogMiddleware, entry_of
 from router.admission import Admission, Ticket
 from router.clients import Client
-from router.edge import PARSED, EdgeMiddleware, TraceMiddleware
+from router.edge import EdgeMiddleware, TraceMiddleware, arrival
 from router.errors import APIError, install_error_handlers
 from router.gateway import Gateway, now_unix
 from router.protocol import ChatCompletionRequest, CompletionRequest
 from router.responses import DONE, Prompt, ResponseBuilder
+from router.tokenize_api import add_tokenize_routes
 from router.tool_output import ToolOutput
 from router.tool_parsers import parser_for
 from router.worker_calls import Chunk, SubRequest
@@ -123,6 +124,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         admit = _Admit(admission, client, deadline)
         return await _respond(gateway, request, subs, builder, body.stream, arrival, admit)
 
+    add_tokenize_routes(app, gateway)
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         model = gateway.model
@@ -169,15 +172,7 @@ def _without_fastapi_telemetry() -> dict[str, Any]:
 
 
 def _arrival(gateway: Gateway, request: Request) -> tuple[float, Client, float]:
-    """When the request came (for its latency), its client (named at the edge) and the deadline
-    of its admission (the tokenizer's turn and the slots: ``--max-queue-wait``, or the request's
-    timeout for the tokenizer when that is 0)."""
-    config = gateway.config
-    state = request.scope.get("state", {})
-    state.pop(PARSED, lambda: None)()  # the body is parsed: the next large one may be
-    client = state.get("client") or Client("addr:unknown")
-    wait = config.max_queue_wait_seconds or config.request_timeout_seconds
-    return time.perf_counter(), client, time.monotonic() + wait
+    return arrival(request.scope, gateway.admission_wait_seconds)
 
 
 async def _tokenized(

@@ -16,13 +16,14 @@ every response it sees start, errors and streams included."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from opentelemetry.trace import SpanKind
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common import tracing
-from router.clients import ClientKeys
+from router.clients import Client, ClientKeys
 from router.errors import APIError
 from router.limits import check_body_depth
 from router.metrics import RouterMetrics
@@ -32,6 +33,8 @@ ENDPOINTS = {
     "/v1/chat/completions",
     "/v1/models",
     "/v1/workers",
+    "/tokenize",
+    "/detokenize",
     "/health",
     "/ready",
     "/metrics",
@@ -40,7 +43,18 @@ PROBES = {"/health", "/ready", "/v1/workers", "/metrics"}  # not counted as clie
 LARGE_BODY_BYTES = 256 << 10  # bodies larger than this are parsed one at a time (_ParseGate)
 PARSE_WAIT_SECONDS = 30.0  # a large body waits this long for its turn, then gets 503
 PARSED = "release_parse_gate"  # scope["state"] key: the handler calls it once the body is parsed
+CLIENT_PATHS = {"/tokenize", "/detokenize"}  # vLLM's, outside /v1/: a client's, as /v1/ is
 OPERATIONAL = {"/metrics", "/v1/workers"}  # kept to the cluster token with --ops-need-token
+
+
+def arrival(scope: Scope, wait_seconds: float) -> tuple[float, Client, float]:
+    """For a handler whose body is parsed: when the request came (for its latency), its client
+    (named here, at the edge) and the deadline of its admission, ``wait_seconds`` from now. The
+    next large body may be parsed from here on."""
+    state = scope.get("state", {})
+    state.pop(PARSED, lambda: None)()
+    client = state.get("client") or Client("addr:unknown")
+    return time.perf_counter(), client, time.monotonic() + wait_seconds
 
 
 class EdgeMiddleware:
@@ -103,7 +117,7 @@ class EdgeMiddleware:
                     code="invalid_api_key",
                 ) from None
             return
-        if not path.startswith("/v1/"):
+        if not path.startswith("/v1/") and path not in CLIENT_PATHS:
             return
         peer = scope.get("client")
         try:

@@ -126,7 +126,7 @@ def _json_invalid(error: dict[str, Any], doc: Any) -> APIError:
 
 def _is_type_tag(part: str) -> bool:
     return part in ("str", "int", "list[str]", "list[int]", "list[list[int]]", "float", "bool") or (
-        part.startswith(("function-", "list[", "dict["))
+        part.startswith(("function-", "list[", "dict[", "("))  # "(chat)": a tagged union's
     )
 
 

@@ -132,6 +132,12 @@ class Gateway:
 
     # -- admission -----------------------------------------------------------------------------
 
+    @property
+    def admission_wait_seconds(self) -> float:
+        """How long a request may wait for its tokenizer turn and its slots:
+        ``--max-queue-wait``, or the request's timeout when that is 0."""
+        return self.config.max_queue_wait_seconds or self.config.request_timeout_seconds
+
     def check_model(self, name: str) -> None:
         if name != self.model.name:
             raise APIError(

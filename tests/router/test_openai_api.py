@@ -241,6 +241,34 @@ def test_continue_final_message_goes_on_with_the_assistants_text(client, llm):  
     assert chat.usage.prompt_tokens == len(llm.get_tokenizer().encode(text, False))
 
 
+def test_tokenize_gives_the_prompt_a_completion_is_computed_from(disagg, client, llm):  # type: ignore[no-untyped-def]
+    """vLLM's /tokenize: a conversation's tokens are the prompt the chat completion counts (the
+    same template, options and tokenizer), a text's the offline tokenizer's; /detokenize turns
+    them back."""
+    router = disagg[1]
+    messages = [*CHAT, {"role": "assistant", "content": "The capital"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    tokenized = httpx.post(f"{router.url}/tokenize", json={"messages": messages, **options})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_body=options
+    )
+    assert body["count"] == len(body["tokens"]) == chat.usage.prompt_tokens
+    tokenizer = llm.get_tokenizer()
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True
+    )
+    assert body["tokens"] == tokenizer.encode(text, False)
+    assert body["max_model_len"] == client.models.list().data[0].max_model_len
+    plain = {"model": MODEL, "prompt": PROMPTS[1], "return_token_strs": True}
+    body = httpx.post(f"{router.url}/tokenize", json=plain).json()
+    assert body["tokens"] == tokenizer.encode(PROMPTS[1])
+    assert body["token_strs"] == [tokenizer.id_to_token(t) for t in body["tokens"]]
+    back = httpx.post(f"{router.url}/detokenize", json={"tokens": body["tokens"]})
+    assert back.json() == {"prompt": PROMPTS[1]}
+
+
 def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
     # The prefill worker's first token is the whole answer: a decode worker called early (the
     # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and
