@@ -114,7 +114,10 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         if (self.profile is None) == (not self.measure):
-            raise ValueError("give either --profile FILE or --measure")
+            raise ValueError(
+                "give either --profile FILE (a measured profile: benchmarks/profiles/ has this "
+                "project's, e.g. zen4-2core.json) or --measure (measures this machine, ~1.5 min)"
+            )
         lengths = (self.isl is not None, self.osl is not None)
         if (self.preset is None) != (lengths == (True, True)) or (
             any(lengths) and (self.preset or not all(lengths))
