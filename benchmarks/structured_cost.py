@@ -82,8 +82,12 @@ class Timer:
 
 def params(mode: str, max_tokens: int, seed: int) -> SamplingParams:
     structured = None if mode == "free" else StructuredOutput("json_schema", json.dumps(SCHEMA))
-    return SamplingParams(
-        temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True, structured=structured
+    return SamplingParams(  # a grammar ends the output itself (it allows no EOS before then)
+        temperature=1.0,
+        seed=seed,
+        max_tokens=max_tokens,
+        ignore_eos=structured is None,
+        structured=structured,
     )
 
 

@@ -135,6 +135,13 @@ class SamplingParams:
             raise ValueError(
                 f"structured kind must be one of {STRUCTURED_KINDS}, got {self.structured.kind!r}"
             )
+        # With a grammar, the grammar decides where the output ends: once it is complete only
+        # EOS is allowed, so holding EOS back would leave no token to sample (and the rest of
+        # the output unconstrained) instead of a longer valid answer.
+        if self.structured is not None and self.min_tokens:
+            raise bad("min_tokens", "must be 0 with a structured output (the grammar ends it)")
+        if self.structured is not None and self.ignore_eos:
+            raise bad("ignore_eos", "must be false with a structured output (the grammar ends it)")
 
     @property
     def is_greedy(self) -> bool:
