@@ -69,17 +69,42 @@ def prefill_flops(tokens: int) -> float:
     return 2 * LAYER_PARAMS * tokens + 2 * HEAD_PARAMS + attention
 
 
-def measure_limits(dtype: torch.dtype, kernels: Any, repeats: int) -> dict[str, float]:
-    """Read bandwidth over the weights' bytes, the best GEMM GFLOP/s at M=64 and M=2048."""
+def workload_ceiling(
+    limits: dict[str, float], num: int, prompt_len: int, out_len: int, prompt_rate: bool
+) -> float:
+    """The most tokens a second any engine could give for ``num`` prompts of ``prompt_len``
+    tokens -> ``out_len`` tokens on this machine (``measure_limits``'s): the prompts' flops at
+    the best GEMM rate measured at 512 rows or more, then every later token's weights read at
+    the read bandwidth (one sequence) or its flops at the M=64 GEMM rate (more). Nothing else is
+    counted (no decode attention, sampling, or step overhead), so no run of the machine's GEMM
+    paths can beat it. Prompt tokens per second with ``prompt_rate``, else output tokens."""
+    prompt_gflops = max(rate for key, rate in limits.items() if _gemm_rows(key) >= 512)
+    seconds = num * prefill_flops(prompt_len) / (prompt_gflops * 1e9)
+    later = num * (out_len - 1)
+    if num == 1:
+        seconds += later * limits["weight_bytes"] / (limits["read_gib_s"] * 2**30)
+    else:
+        seconds += later * 2 * (LAYER_PARAMS + HEAD_PARAMS) / (limits["gemm_gflops_m64"] * 1e9)
+    return num * (prompt_len if prompt_rate else out_len) / seconds
+
+
+def _gemm_rows(key: str) -> int:
+    return int(key.removeprefix("gemm_gflops_m")) if key.startswith("gemm_gflops_m") else 0
+
+
+def measure_limits(
+    dtype: torch.dtype, kernels: Any, repeats: int, rows: tuple[int, ...] = (64, PREFILL_TOKENS)
+) -> dict[str, float]:
+    """Read bandwidth over the weights' bytes, the best GEMM GFLOP/s at each of ``rows``."""
     weight_bytes = torch.empty(0, dtype=dtype).element_size() * (LAYER_PARAMS + HEAD_PARAMS)
     summed = read_gib_s(weight_bytes, repeats)
     limits = {"read_gib_s": max(summed, kernel_read_gib_s(weight_bytes, kernels, repeats) or 0.0)}
-    for rows in (64, PREFILL_TOKENS):
+    for m in rows:
         rates = [
-            gemm_gflops(rows, DTYPES[kind_dtype], [path] * len(SHAPES), kernels, repeats)
+            gemm_gflops(m, DTYPES[kind_dtype], [path] * len(SHAPES), kernels, repeats)
             for kind_dtype, path in KINDS.values()
         ]
-        limits[f"gemm_gflops_m{rows}"] = max(r for r in rates if r is not None)
+        limits[f"gemm_gflops_m{m}"] = max(r for r in rates if r is not None)
     limits["weight_bytes"] = weight_bytes
     return limits
 

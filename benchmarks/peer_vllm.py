@@ -7,6 +7,12 @@ tokens -> 128 tokens (all at once), one stream 128 -> 128, and the prefill rate 
 one 2048-token prompt. Same random token-id prompts, greedy, ``ignore_eos``: both generate every
 token counted. Medians over all repeats; the ratio is pdserve / vLLM. The batch outputs are
 compared token for token (bf16 numerics of two engines differ: the share that agrees is shown).
+Beside them, each workload's **machine ceiling**: the most any engine could give here, from the
+GEMM and read limits measured in the same run, before and after the rounds
+(``limits_fraction.workload_ceiling``: the prompts' flops at the best large-M GEMM rate, every
+later token's flops at the M=64 rate, or its bfloat16 weights at the read bandwidth for one
+stream; nothing else counted). Where ceiling / vLLM is under a bar, no engine meets that bar on
+this CPU. ``--no-ceiling`` skips it (about a minute).
 
 Online (``--online``): each server alone on the machine, a burst of ``--num-prompts`` random
 256-token prompts -> 64 tokens (``ignore_eos``), driven once by vLLM's own load tester
@@ -166,9 +172,34 @@ def sides_of(
     return sides
 
 
+def machine_limits_now() -> dict[str, float]:
+    """``limits_fraction.measure_limits`` in this process (every GEMM path, bfloat16 weights
+    for the read limit: the smaller, so the more generous ceiling)."""
+    from limits_fraction import measure_limits
+
+    from kernels import cpu_ops
+    from services.engine.config import DEFAULT_CACHE_DIR, default_num_threads
+
+    torch.set_num_threads(default_num_threads())
+    kernels = cpu_ops.load(DEFAULT_CACHE_DIR / "kernels")
+    return measure_limits(torch.bfloat16, kernels, 4, rows=(64, 512, 1024, 2048))
+
+
+def ceilings(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    from limits_fraction import workload_ceiling
+
+    best = {key: max(before[key], after[key]) for key in before}
+    rates = {
+        name: workload_ceiling(best, num, prompt, out, prompt_rate=name.startswith("prefill"))
+        for name, (num, prompt, out) in WORKLOADS.items()
+    }
+    return {"limits_before": before, "limits_after": after, "rates": rates}
+
+
 def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
     """Each system in each dtype asked for; with ``--dtype fastest`` both dtypes, and each
     system's rate per workload is that of its faster dtype (named in ``dtypes``)."""
+    limits_before = machine_limits_now() if args.ceiling else None
     sides = sides_of(args, peer)
     dtypes = list(SHORT) if args.dtype == "fastest" else [args.dtype]
     seconds = {s: {d: {w: [] for w in WORKLOADS} for d in dtypes} for s in sides}
@@ -196,7 +227,9 @@ def offline(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
     rates = {s: {w: by_dtype[s][chosen[s][w]][w] for w in WORKLOADS} for s in sides}
     batch = {s: outputs[s][chosen[s]["batch"]] for s in sides}
     same = sum(a == b for a, b in zip(batch["pdserve"], batch["vllm"]))  # int8: not compared
+    ceiling = ceilings(limits_before, machine_limits_now()) if limits_before else None
     return {
+        "ceiling": ceiling,
         "seconds": seconds,
         "rates_by_dtype": by_dtype,
         "dtypes": chosen,
@@ -220,10 +253,11 @@ def print_offline(result: dict[str, Any], dtype: str) -> None:
         "prefill512": "prefill 512 tokens, prompt tok/s",
         "prefill2048": "prefill 2048 tokens, prompt tok/s",
     }
-    rates, chosen = result["rates"], result["dtypes"]
+    rates, chosen, ceiling = result["rates"], result["dtypes"], result.get("ceiling")
     head = f"workload ({SHORT.get(dtype, dtype)}, medians)"
     int8 = INT8_SIDE in rates
     extra = f"{'pdserve int8':>15}{'ratio':>8}" if int8 else ""
+    extra += f"{'ceiling':>10}{'/ vLLM':>8}" if ceiling else ""
     print(f"\n{head:<36}{'vLLM CPU':>15}{'pdserve':>15}{'ratio':>8}{extra}")
     for name, label in labels.items():
         ours, theirs = rates["pdserve"][name], rates["vllm"][name]
@@ -234,6 +268,9 @@ def print_offline(result: dict[str, Any], dtype: str) -> None:
         if int8:
             q = rates[INT8_SIDE][name]
             line += f"{f'{q:.1f} {SHORT[chosen[INT8_SIDE][name]]}':>15}{q / theirs:>7.2f}x"
+        if ceiling:
+            most = ceiling["rates"][name]
+            line += f"{most:>10.1f}{most / theirs:>7.2f}x"
         print(line)
     if dtype == "fastest":
         print("each system in its faster dtype per workload (measured in this run, both tried):")
@@ -244,6 +281,19 @@ def print_offline(result: dict[str, Any], dtype: str) -> None:
             )
             print(f"  {system}: {cells}")
     print(f"batch outputs identical token for token: {result['identical_batch_outputs']} of 64")
+    if ceiling:
+        before, after = ceiling["limits_before"], ceiling["limits_after"]
+        print(
+            "ceiling: the most any engine could give on this machine (limits before / after "
+            f"the rounds: read {before['read_gib_s']:.1f} / {after['read_gib_s']:.1f} GiB/s, "
+            f"GEMM M=64 {before['gemm_gflops_m64']:.0f} / {after['gemm_gflops_m64']:.0f}, "
+            + ", ".join(
+                f"M={m} {before[f'gemm_gflops_m{m}']:.0f} / {after[f'gemm_gflops_m{m}']:.0f}"
+                for m in (512, 1024, 2048)
+            )
+            + " GFLOP/s; the higher counts, the best of M>=512 for prompts), and that over "
+            "vLLM's rate"
+        )
 
 
 def profiles(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
@@ -466,6 +516,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--int8",
         action="store_true",
         help="offline: also pdserve with --quantization int8 (W8A8), in the same rounds",
+    )
+    p.add_argument(
+        "--ceiling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="offline: measure the machine's limits before and after, for each workload's ceiling",
     )
     p.add_argument("--peer-venv", type=Path, default=DEFAULT_VENV)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
