@@ -184,7 +184,7 @@ async def _tokenized(
 ) -> list[int]:
     if isinstance(prompt, str):  # text: tokenized in the pool, at the client's turn
         work = gateway.tokenize
-        return await gateway.admission.run_tokenizer(
+        return await gateway.admission.run_tokenizer(  # chat=False
             client, deadline, work, prompt, False, add_special_tokens
         )
     return gateway.tokenize(prompt)  # ids: only checked against the vocabulary

@@ -85,7 +85,7 @@ def add_tokenize_routes(app: FastAPI, gateway: Gateway) -> None:
         else:
             admission.check_text([len(body.prompt)], model.max_model_len, "prompt")
             special = body.add_special_tokens
-            tokens = await admission.run_tokenizer(
+            tokens = await admission.run_tokenizer(  # chat=False
                 client, deadline, gateway.tokenize, body.prompt, False, special
             )
         strs = [model.tokenizer.id_to_token(t) for t in tokens] if body.return_token_strs else None

@@ -104,14 +104,14 @@ class Tokenizer:
                 raise ValueError("continue_final_message: there is no message to continue")
             last = {**messages[-1], "content": (messages[-1].get("content") or "") + _END_MARK}
             messages = [*messages[:-1], last]
-        text = template.render(
-            **(template_kwargs or {}),
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            tools=tools,
-        )
+        ours = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "tools": tools,
+        }
+        text = template.render({**(template_kwargs or {}), **ours})  # ours win
         return _cut_at_end_mark(text) if continue_final_message else text
 
 
