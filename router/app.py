@@ -219,6 +219,7 @@ def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBui
         gateway.model.tokenizer,
         num_logprobs,
         include_usage=body.include_usage,
+        continuous_usage=body.continuous_usage,
     )
     builder.usage.prompt_tokens = sum(len(s.prompt_token_ids) for s in subs)
     _expect_prompts(builder, subs, body)

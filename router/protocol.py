@@ -108,6 +108,8 @@ def _is_token_id(key: str) -> bool:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in
+    # every chunk too
 
 
 class JSONSchemaFormat(BaseModel):
@@ -204,6 +206,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
 
     @property
     def num_prompt_logprobs(self) -> int | None:

@@ -87,6 +87,7 @@ class ResponseBuilder:
         tokenizer: Tokenizer,
         num_logprobs: int | None,
         include_usage: bool = False,
+        continuous_usage: bool = False,
     ):
         self.kind = kind
         self.id = request_id
@@ -96,6 +97,7 @@ class ResponseBuilder:
         self.num_logprobs = num_logprobs  # top alternatives per token; None: no logprobs
         self.with_logprobs = num_logprobs is not None
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk: the usage so far (vLLM's)
         self.choices = [Choice() for _ in range(num_choices)]
         self.usage = Usage()
         self._object = "text_completion" if kind == "completion" else "chat.completion"
@@ -262,7 +264,7 @@ class ResponseBuilder:
             "choices": choices,
         }
         if streaming and self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = self.usage.to_dict() if self.continuous_usage else None
         return payload
 
     def _token(self, token_id: int) -> str:

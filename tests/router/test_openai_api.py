@@ -91,6 +91,23 @@ def test_streamed_completion_is_the_same_text(client, llm):  # type: ignore[no-u
     assert usage is not None and usage.completion_tokens == 24
 
 
+def test_continuous_usage_stats_count_the_tokens_so_far(client):  # type: ignore[no-untyped-def]
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far,
+    its completion tokens growing to the final count."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    counts = [(chunk.usage.prompt_tokens, chunk.usage.completion_tokens) for chunk in stream]
+    assert len({prompt for prompt, _ in counts}) == 1  # the prompt is counted in each
+    completions = [c for _, c in counts]
+    assert completions == sorted(completions) and completions[-1] == 6 and completions[0] < 6
+
+
 def test_chat_completion(client, llm):  # type: ignore[no-untyped-def]
     response = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=20, temperature=0
