@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -27,6 +28,8 @@ from common.sampling_params import StructuredOutput
 log = logging.getLogger(__name__)
 
 CACHE_SIZE = 128  # compiled grammars kept per worker (least recently used dropped)
+# xgrammar's messages start with its log line's time and C++ source: "[22:45:43] /x/y.cc:83: "
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarError(ValueError):
@@ -85,7 +88,8 @@ class Grammars:
         try:
             compiled = _compile(compiler, spec)
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses
-            raise GrammarError(f"response_format: {spec.kind} does not compile: {exc}") from exc
+            reason = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()
+            raise GrammarError(f"the {spec.kind} does not compile: {reason}") from exc
         with self._lock:
             self.compiles += 1
             self._cache[spec] = compiled
