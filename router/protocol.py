@@ -63,7 +63,6 @@ _VLLM_NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "allowed_token_ids": ((), "allowed_token_ids is not supported; logit_bias is"),
     "bad_words": ((), "bad_words is not supported; logit_bias is"),
     "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
-    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens is not supported"),
     "logits_processors": ((), "logits_processors are not supported"),
     "prompt_embeds": ((), "prompt_embeds are not supported"),
@@ -179,6 +178,7 @@ class _SamplingFields(BaseModel):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 

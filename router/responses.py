@@ -98,6 +98,7 @@ class ResponseBuilder:
         self.with_logprobs = num_logprobs is not None
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk: the usage so far (vLLM's)
+        self.tokens_as_ids = False  # logprobs name tokens "token_id:<id>" (vLLM's option)
         self.choices = [Choice() for _ in range(num_choices)]
         self.usage = Usage()
         self._object = "text_completion" if kind == "completion" else "chat.completion"
@@ -268,7 +269,20 @@ class ResponseBuilder:
         return payload
 
     def _token(self, token_id: int) -> str:
+        """How a logprob names a token: its text, or (vLLM's return_tokens_as_token_ids)
+        ``token_id:<id>``, which stays exact where texts are ambiguous or partial."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._text(token_id)
+
+    def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _offsets(self, token_ids: list[int], start: int) -> list[int]:
+        """Each token's position in the text (legacy ``text_offset``), from ``start``."""
+        offsets = []
+        for token_id in token_ids:
+            offsets.append(start)
+            start += len(self._text(token_id))
+        return offsets
 
     def _top(self, entry: list[tuple[int, float]]) -> list[tuple[int, float]]:
         """The ``num_logprobs`` most likely tokens (the workers send the sampled one first, then
@@ -279,16 +293,12 @@ class ResponseBuilder:
         entries = [e for e in entries if e]
         if self.kind == "chat":
             return {"content": [self._chat_entry(e) for e in entries]}
-        tokens = [self._token(e[0][0]) for e in entries]
-        offsets = []
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
+        ids = [e[0][0] for e in entries]
         return {
-            "tokens": tokens,
+            "tokens": [self._token(t) for t in ids],
             "token_logprobs": [e[0][1] for e in entries],
             "top_logprobs": [{self._token(t): lp for t, lp in self._top(e)} for e in entries],
-            "text_offset": offsets,
+            "text_offset": self._offsets(ids, offset),
         }
 
     def _prompt_entries(self, prompt: Prompt) -> list[Entry]:
@@ -306,11 +316,7 @@ class ResponseBuilder:
         for entry in self._prompt_entries(prompt):
             token_logprobs.append(entry[0][1] if entry else None)
             top.append({self._token(t): lp for t, lp in self._top(entry)} if entry else None)
-        offsets = []
-        offset = 0
-        for text in tokens:
-            offsets.append(offset)
-            offset += len(text)
+        offsets = self._offsets(prompt.token_ids, 0)
         rest = self._logprobs(generated, len(prompt.text))
         return {
             "tokens": tokens + rest["tokens"],

@@ -286,6 +286,27 @@ def test_tokenize_gives_the_prompt_a_completion_is_computed_from(disagg, client,
     assert back.json() == {"prompt": PROMPTS[1]}
 
 
+def test_return_tokens_as_token_ids_names_the_offline_engines_tokens(client, llm):  # type: ignore[no-untyped-def]
+    """vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>", the ids
+    the offline engine generates; the text and its offsets are unchanged."""
+    (expected,) = offline(llm, PROMPTS[:1], max_tokens=5, logprobs=2)
+    ids = [f"token_id:{t}" for t in expected.token_ids]
+    extra = {"return_tokens_as_token_ids": True}
+    named = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2, extra_body=extra
+    ).choices[0]
+    plain = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=2
+    ).choices[0]
+    assert named.logprobs.tokens == ids and named.text == plain.text == expected.text
+    assert named.logprobs.text_offset == plain.logprobs.text_offset
+    assert all(ids[i] in top for i, top in enumerate(named.logprobs.top_logprobs))
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logprobs=True, extra_body=extra
+    )
+    assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
+
+
 def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
     # The prefill worker's first token is the whole answer: a decode worker called early (the
     # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and
