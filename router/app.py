@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -24,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from common import tracing
 from router.access_log import AccessEntry, AccessLogMiddleware, entry_of
 from router.admission import Admission, Ticket
+from router.chat_template import chat_text_length
 from router.clients import Client
 from router.edge import EdgeMiddleware, TraceMiddleware, arrival
 from router.errors import APIError, install_error_handlers
@@ -102,7 +102,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         body = gateway.model.generation.apply(body)  # the model's sampling defaults
         admission.check_shape(client, 1, body.n, body.stop, len(body.messages))
         messages, tools = body.template_messages(), body.tool_plan().template_tools
-        num_chars = _text_length(messages) + len(json.dumps(tools) if tools else "")
+        num_chars = chat_text_length(messages, tools)
         admission.check_text([num_chars], gateway.model.max_model_len, "messages")
         chat_prompt, options = gateway.chat_prompt, body.template_options()
         prompt = await admission.run_tokenizer(
@@ -188,10 +188,6 @@ async def _tokenized(
             client, deadline, work, prompt, False, add_special_tokens
         )
     return gateway.tokenize(prompt)  # ids: only checked against the vocabulary
-
-
-def _text_length(messages: list[dict[str, Any]]) -> int:
-    return sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
 
 
 def _salt(client: Client, requested: str | None) -> str | None:

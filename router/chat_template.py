@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,3 +31,10 @@ class ChatTemplateOptions:
     continue_final_message: bool = False  # go on with the last message instead
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_template_kwargs
     add_special_tokens: bool = False  # the template writes BOS itself
+
+
+def chat_text_length(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """Characters a conversation and its tools put into the template: what the admission
+    bounds before tokenizing (router.admission.check_text)."""
+    chars = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+    return chars + (len(json.dumps(tools)) if tools else 0)

@@ -268,21 +268,26 @@ class ResponseBuilder:
             payload["usage"] = self.usage.to_dict() if self.continuous_usage else None
         return payload
 
-    def _token(self, token_id: int) -> str:
-        """How a logprob names a token: its text, or (vLLM's return_tokens_as_token_ids)
-        ``token_id:<id>``, which stays exact where texts are ambiguous or partial."""
-        return f"token_id:{token_id}" if self.tokens_as_ids else self._text(token_id)
+    def _token(self, token_id: int, text: str | None = None) -> str:
+        """How a logprob names a token: its text (``text``, when decoded already), or (vLLM's
+        return_tokens_as_token_ids) ``token_id:<id>``, exact where texts are partial."""
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._text(token_id) if text is None else text
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _offsets(self, token_ids: list[int], start: int) -> list[int]:
-        """Each token's position in the text (legacy ``text_offset``), from ``start``."""
-        offsets = []
+    def _named_with_offsets(self, token_ids: list[int], start: int) -> tuple[list[str], list[int]]:
+        """Each token's name and its position in the text (legacy ``text_offset``), from
+        ``start``: each token decoded once."""
+        names, offsets = [], []
         for token_id in token_ids:
+            text = self._text(token_id)
+            names.append(self._token(token_id, text))
             offsets.append(start)
-            start += len(self._text(token_id))
-        return offsets
+            start += len(text)
+        return names, offsets
 
     def _top(self, entry: list[tuple[int, float]]) -> list[tuple[int, float]]:
         """The ``num_logprobs`` most likely tokens (the workers send the sampled one first, then
@@ -293,12 +298,12 @@ class ResponseBuilder:
         entries = [e for e in entries if e]
         if self.kind == "chat":
             return {"content": [self._chat_entry(e) for e in entries]}
-        ids = [e[0][0] for e in entries]
+        tokens, offsets = self._named_with_offsets([e[0][0] for e in entries], offset)
         return {
-            "tokens": [self._token(t) for t in ids],
+            "tokens": tokens,
             "token_logprobs": [e[0][1] for e in entries],
             "top_logprobs": [{self._token(t): lp for t, lp in self._top(e)} for e in entries],
-            "text_offset": self._offsets(ids, offset),
+            "text_offset": offsets,
         }
 
     def _prompt_entries(self, prompt: Prompt) -> list[Entry]:
@@ -310,13 +315,12 @@ class ResponseBuilder:
     def _echo_logprobs(self, prompt: Prompt, generated: list[Entry]) -> dict[str, Any]:
         """OpenAI's legacy logprobs over the prompt and then the generated tokens: a prompt
         token without a logprob (the first) has ``null`` for it and its top alternatives."""
-        tokens = [self._token(t) for t in prompt.token_ids]
+        tokens, offsets = self._named_with_offsets(prompt.token_ids, 0)
         token_logprobs: list[float | None] = []
         top: list[dict[str, float] | None] = []
         for entry in self._prompt_entries(prompt):
             token_logprobs.append(entry[0][1] if entry else None)
             top.append({self._token(t): lp for t, lp in self._top(entry)} if entry else None)
-        offsets = self._offsets(prompt.token_ids, 0)
         rest = self._logprobs(generated, len(prompt.text))
         return {
             "tokens": tokens + rest["tokens"],

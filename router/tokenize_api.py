@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictStr, Tag
 
+from router.chat_template import chat_text_length
 from router.clients import Client
 from router.edge import arrival
 from router.errors import APIError
@@ -76,7 +77,7 @@ def add_tokenize_routes(app: FastAPI, gateway: Gateway) -> None:
             chat = body.as_chat_request(model.name)
             chat.check_supported()
             messages, tools = chat.template_messages(), chat.tool_plan().template_tools
-            num_chars = sum(len(v) for m in messages for v in m.values() if isinstance(v, str))
+            num_chars = chat_text_length(messages, tools)
             admission.check_text([num_chars], model.max_model_len, "messages")
             options = chat.template_options()
             tokens = await admission.run_tokenizer(
