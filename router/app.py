@@ -358,8 +358,18 @@ def _finish_usage(builder: ResponseBuilder, subs: list[SubRequest]) -> None:
 
 
 def _check_not_aborted(chunk: Chunk) -> None:
+    """A chunk whose finish reason is not an answer's becomes the request's error."""
     if chunk.finish_reason == "abort":
         raise APIError(503, "the worker aborted the request (it is shutting down); retry")
+    if chunk.finish_reason == "grammar_dead_end":
+        raise APIError(400, GRAMMAR_DEAD_END, code="grammar_dead_end")
+
+
+GRAMMAR_DEAD_END = (
+    "the structured output cannot be completed with this model's vocabulary: after the output "
+    "so far its grammar allows no token (the next character needs a byte no token of the model "
+    "holds, such as some control characters or unassigned code points)"
+)
 
 
 async def _until_done_or_disconnected(request: Request, work) -> bool:  # type: ignore[no-untyped-def]

@@ -134,7 +134,9 @@ class SequenceMatcher:
     def __init__(self, matcher: Any):
         self._matcher = matcher
         self.num_accepted = 0
-        self.broken = False  # a token outside the grammar came in: stop masking, say so once
+        # The grammar cannot be followed any further: it allows no token of the vocabulary (the
+        # next character needs a byte no token holds), or a token outside it came in.
+        self.dead_end = False
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Advance over the output tokens not seen yet (a forced first token, the last draw)."""
@@ -142,16 +144,20 @@ class SequenceMatcher:
             self._matcher.reset()
             self.num_accepted = 0
         for token in output_token_ids[self.num_accepted :]:
-            if not self.broken and not self._matcher.accept_token(token):
-                log.warning("token %d is outside the grammar; its mask is dropped", token)
-                self.broken = True
+            if not self.dead_end and not self._matcher.accept_token(token):
+                log.warning("token %d is outside the grammar: the sequence cannot follow it", token)
+                self.dead_end = True
             self.num_accepted += 1
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
-        """Write the allowed tokens into ``bitmask[row]``; False when nothing is to be masked."""
-        if self.broken or self._matcher.is_terminated():
+        """Write the allowed tokens into ``bitmask[row]``; False when nothing is to be masked
+        (the grammar has ended) or nothing can be (``dead_end``: no token is allowed)."""
+        if self.dead_end or self._matcher.is_terminated():
             return False
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if not bool(bitmask[row].any()):
+            self.dead_end = True
+            return False
         return True
 
 

@@ -16,6 +16,7 @@ room -> pulling (``take_pull_plans``) -> ``commit_pull`` or ``recompute_pull`` -
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from services.engine.stats import EngineStats
 from services.engine.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "PullPlan"]
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -272,12 +275,21 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         pinned: dict[str, list[int]] = {}
-        for seq, token, logprobs in zip(seqs, sampled.token_ids, sampled.logprobs):
+        for row, (seq, token, logprobs) in enumerate(
+            zip(seqs, sampled.token_ids, sampled.logprobs)
+        ):
             request = touched[seq.request_id] = self._requests[seq.request_id]
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.forced_token is not None:
                 self.handoff.append_forced(request, seq)
+            elif row in sampled.dead_ends:  # no token follows its grammar: none is appended
+                log.warning(
+                    "request %s: its grammar allows no token after %d output tokens; ended",
+                    seq.request_id,
+                    seq.num_output_tokens,
+                )
+                self._end(seq, FinishReason.GRAMMAR_DEAD_END)
             else:
                 seq.append_token(token, logprobs)
                 self._check_stop(request, seq)
@@ -309,6 +321,9 @@ class LLMEngine:
         if stopped is None:
             return
         reason, seq.stop_reason = stopped
+        self._end(seq, reason)
+
+    def _end(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.pin_blocks:  # done, but its blocks stay pinned (maybe read): the owner frees them
             seq.finish_reason = reason
         else:

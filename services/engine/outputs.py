@@ -18,7 +18,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    # "stop", "length", "abort", "grammar_dead_end" (no token follows the structured output's
+    # grammar: see docs/structured_outputs.md) or None while running
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     logprobs: list[dict[int, float]] | None = None  # one entry per token of token_ids
 

@@ -16,7 +16,9 @@ masked out.
 Structured outputs: after the penalties, a row with a grammar has the tokens its grammar forbids
 masked (services/engine/grammar.py), greedy rows included. The masks are computed on a thread of
 their own while the model runs (``prepare``, called before the forward pass); a row not prepared
-(an n > 1 fork) is masked at sampling time.
+(an n > 1 fork) is masked at sampling time. A row whose grammar allows no token at all (it
+needs a byte no token of the vocabulary holds) is a dead end: its token is not to be used, and
+the result names the row (``SampleResult.dead_ends``) for the engine to end the sequence.
 
 A batch of plain greedy rows takes the argmax of the logits as the model computed them, on their
 device and in the model's dtype (on CPU the compiled kernel, ``kernels.cpu_ops``, where built);
@@ -47,6 +49,15 @@ MaskKey = tuple[int, int]
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # sampled token and top alternatives, per row
+    dead_ends: frozenset[int] = frozenset()  # rows whose grammar allows no token: no draw
+
+
+@dataclass
+class _Masks:
+    """The grammar masks of some sequences: a row per masked one, and the dead ends."""
+
+    rows: dict[MaskKey, torch.Tensor]
+    dead_ends: set[MaskKey]
 
 
 class Sampler:
@@ -66,7 +77,7 @@ class Sampler:
         self.grammars = grammars
         self._matchers: dict[int, SequenceMatcher] = {}
         self._mask_thread: ThreadPoolExecutor | None = None
-        self._prepared: Future[dict[MaskKey, torch.Tensor]] | None = None
+        self._prepared: Future[_Masks] | None = None
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` has ended: drop its grammar state (a seeded draw keeps none between steps)."""
@@ -85,11 +96,11 @@ class Sampler:
             )
         self._prepared = self._mask_thread.submit(self._fill_masks, structured)
 
-    def _fill_masks(self, seqs: list[Sequence]) -> dict[MaskKey, torch.Tensor]:
+    def _fill_masks(self, seqs: list[Sequence]) -> _Masks:
         """Each sequence's mask row, synced to its output so far; none where nothing is masked."""
         assert self.grammars is not None
         bitmask = allocate_bitmask(len(seqs), self.grammars.vocab_size)
-        rows: dict[MaskKey, torch.Tensor] = {}
+        masks = _Masks({}, set())
         for i, seq in enumerate(seqs):
             matcher = self._matchers.get(seq.seq_id)
             if matcher is None:
@@ -97,29 +108,36 @@ class Sampler:
                 assert spec is not None  # only structured sequences come here
                 matcher = self._matchers[seq.seq_id] = self.grammars.matcher(spec)
             matcher.sync(seq.output_token_ids)
+            key = (seq.seq_id, seq.num_output_tokens)
             if matcher.fill(bitmask, i):
-                rows[(seq.seq_id, seq.num_output_tokens)] = bitmask[i]
-        return rows
+                masks.rows[key] = bitmask[i]
+            elif matcher.dead_end:
+                masks.dead_ends.add(key)
+        return masks
 
-    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Mask, in place, what each structured row's grammar forbids."""
+    def _apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> frozenset[int]:
+        """Mask, in place, what each structured row's grammar forbids; return the dead ends."""
         prepared, self._prepared = self._prepared, None
         structured = [i for i, s in enumerate(seqs) if s.params.structured is not None]
         if not structured or self.grammars is None:
-            return
-        rows = prepared.result() if prepared is not None else {}
+            return frozenset()
+        masks = prepared.result() if prepared is not None else _Masks({}, set())
         keys = [(seqs[i].seq_id, seqs[i].num_output_tokens) for i in structured]
-        missing = [seqs[i] for i, key in zip(structured, keys) if key not in rows]
+        known = masks.rows.keys() | masks.dead_ends
+        missing = [seqs[i] for i, key in zip(structured, keys) if key not in known]
         if missing:
-            rows.update(self._fill_masks(missing))
+            more = self._fill_masks(missing)
+            masks.rows.update(more.rows)
+            masks.dead_ends |= more.dead_ends
         bitmask = allocate_bitmask(len(seqs), self.grammars.vocab_size)
         masked = []
         for i, key in zip(structured, keys):
-            if key in rows:
-                bitmask[i] = rows[key]
+            if key in masks.rows:
+                bitmask[i] = masks.rows[key]
                 masked.append(i)
         if masked:
             apply_bitmask(logits, bitmask, masked)
+        return frozenset(i for i, key in zip(structured, keys) if key in masks.dead_ends)
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         seed = seq.params.seed
@@ -146,7 +164,7 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
-        self._apply_grammars(logits, seqs)
+        dead_ends = self._apply_grammars(logits, seqs)
         greedy = torch.tensor([p.is_greedy for p in params])
         tokens = self.argmax(logits)
         if not bool(greedy.all()):
@@ -154,7 +172,8 @@ class Sampler:
             sampled = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
             tokens[sampled_rows] = sampled
         token_list = tokens.tolist()
-        return SampleResult(token_list, _gather_logprobs(raw_logprobs, token_list, params))
+        logprobs = _gather_logprobs(raw_logprobs, token_list, params)
+        return SampleResult(token_list, logprobs, dead_ends)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         params = [s.params for s in seqs]

@@ -36,6 +36,9 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    # The request's grammar allows no token of the vocabulary (it needs a byte no token holds):
+    # the output cannot go on and still follow it. The router answers with an error.
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass(eq=False)

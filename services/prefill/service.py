@@ -289,7 +289,7 @@ def _response(final: RequestOutput, seq: Sequence) -> pb.PrefillResponse:
     ended the request, and the phases."""
     out = final.outputs[0]
     response = pb.PrefillResponse(
-        first_token=out.token_ids[0],
+        first_token=out.token_ids[0] if out.token_ids else 0,  # none at a grammar's dead end
         first_text=out.text,
         num_cached_tokens=final.num_cached_tokens,
         finish_reason=out.finish_reason or "",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import string
 from collections.abc import Iterator
 
 import jsonschema
@@ -21,6 +22,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 from services.engine.grammar import GrammarError
 from services.engine.llm_engine import LLMEngine
 from tests.conftest import assert_no_leaks
+from tests.engine.test_handoff import run_until_done
 from tests.engine.test_seed_routes import ROUTES, disaggregated, local, new_engine
 
 SCHEMA = {
@@ -141,3 +143,65 @@ def test_any_single_choice_is_produced_exactly(engines, choice: str) -> None:  #
     (tokens,) = local(engine, rid, engine.tokenizer.encode("Say it:"), params)
     assert engine.tokenizer.decode(tokens) == choice
     assert_no_leaks(engine)
+
+
+# Characters SmolLM2's vocabulary cannot write: a control character whose byte no token holds,
+# and code points of the unassigned planes 4-11 (their first byte, 0xF1 or 0xF2, is in no token).
+UNWRITABLE = ["\x04", "\x06", "\x13", "\U00040000", "\U000a1234"]
+
+
+def dead_end_choice(prefix: str, tail: str) -> StructuredOutput:
+    return StructuredOutput("choice", json.dumps([prefix + tail + "!"]))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prefix=st.text(string.ascii_letters + string.digits + " ", max_size=5),
+    tail=st.sampled_from(UNWRITABLE),
+    n=st.integers(1, 2),
+)
+@example(prefix="", tail="\x04", n=1)  # a dead end at the first token
+@example(prefix="ab", tail="\U00040000", n=2)  # forks: their masks are made at sampling time
+def test_a_grammar_the_vocabulary_cannot_write_ends_at_its_dead_end(  # type: ignore[no-untyped-def]
+    engines, prefix: str, tail: str, n: int
+) -> None:
+    """Every token of what can be written comes out, then the sequence ends with
+    ``grammar_dead_end`` and nothing after it. (The grammar's mask had allowed no token there:
+    the sampler took token 0, the matcher dropped its mask, and the rest of the output came
+    out unconstrained, with ``finish_reason: "length"``.)"""
+    _, engine = engines
+    params = SamplingParams(
+        n=n, seed=7, max_tokens=len(prefix) + 8, structured=dead_end_choice(prefix, tail)
+    )
+    rid = f"dead-end-{n}-{abs(hash(prefix + tail))}"
+    engine.add_request(rid, engine.tokenizer.encode("Say it:"), params)
+    out = run_until_done(engine, rid)
+    assert [(o.text, o.finish_reason) for o in out.outputs] == [(prefix, "grammar_dead_end")] * n
+    assert_no_leaks(engine)
+
+
+def test_a_dead_end_at_the_prefill_workers_first_token_pins_nothing_for_long(engines):  # type: ignore[no-untyped-def]
+    """The prefill worker's first token is the dead end: no token, the finish reason, and the
+    pinned blocks go when the worker releases them (its service does so at once)."""
+    p_engine, _ = engines
+    ids = p_engine.tokenizer.encode("Say it:")
+    params = SamplingParams(max_tokens=8, structured=dead_end_choice("", "\x04"))
+    p_engine.add_request("dead-end-first", ids, params, True)
+    out = run_until_done(p_engine, "dead-end-first")
+    assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == ([], "grammar_dead_end")
+    assert p_engine.release_pinned("dead-end-first")
+    assert_no_leaks(p_engine)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_dead_end_on_the_decode_worker_is_the_same_on_every_route(engines, route):  # type: ignore[no-untyped-def]
+    """The prefill worker writes the first token; the decode worker, whichever way it got the
+    prompt's KV, writes the rest and stops at the same dead end."""
+    p_engine, d_engine = engines
+    ids = d_engine.tokenizer.encode("Say it:")
+    params = SamplingParams(seed=2, max_tokens=12, structured=dead_end_choice("ab cd", "\x06"))
+    want = local(d_engine, f"dead-end-local-{route}", ids, params)
+    assert d_engine.tokenizer.decode(want[0]) == "ab cd"
+    assert disaggregated(engines, f"dead-end-{route}", ids, params, route) == want
+    assert_no_leaks(p_engine)
+    assert_no_leaks(d_engine)

@@ -215,3 +215,48 @@ def test_a_bad_spec_is_a_400(routers, body):  # type: ignore[no-untyped-def]
             max_tokens=4,
             extra_body=body,
         )
+
+
+# ----- a grammar the vocabulary cannot write ---------------------------------------------------
+DEAD_END_MESSAGE = "the structured output cannot be completed with this model's vocabulary"
+
+
+@pytest.mark.parametrize("route", ["disaggregated", "local"])
+def test_a_dead_end_at_the_first_token_is_a_400(routers, route):  # type: ignore[no-untyped-def]
+    """The choice starts with a character no token can write (U+0004): nothing is generated, and
+    the client gets a 400 naming why, streamed or not; on the disaggregated route the prefill
+    worker found it, and nothing stays pinned."""
+    remote, local = routers
+    client = (remote if route == "disaggregated" else local).client()
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match=DEAD_END_MESSAGE) as raised:
+            client.completions.create(
+                model=MODEL,
+                prompt="Say it:",
+                max_tokens=8,
+                stream=stream,
+                extra_body={"structured_outputs": {"choice": ["\x04!"]}},
+            )
+        assert raised.value.code == "grammar_dead_end"
+
+
+@pytest.mark.parametrize("route", ["disaggregated", "local"])
+def test_a_dead_end_after_some_output_ends_the_request_with_an_error(routers, route):  # type: ignore[no-untyped-def]
+    """What can be written comes first ('ab cd'), then no token can go on (U+0006): not
+    streamed, a 400; streamed, the text so far and then an error event. (Before, the mask was
+    dropped there and free text followed, with finish_reason "length".)"""
+    remote, local = routers
+    client = (remote if route == "disaggregated" else local).client()
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Say it:"}],
+        "max_tokens": 12,
+        "extra_body": {"structured_outputs": {"choice": ["ab cd\x06!"]}},
+    }
+    with pytest.raises(openai.BadRequestError, match=DEAD_END_MESSAGE):
+        client.chat.completions.create(**body)
+    text = ""
+    with pytest.raises(openai.APIError, match=DEAD_END_MESSAGE):
+        for chunk in client.chat.completions.create(**body, stream=True):
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+    assert text == "ab cd"
