@@ -32,6 +32,7 @@ class _SeqText:
     held: str = ""  # decoded but not shown yet: it could be the start of a stop string
     new_text: list[str] = field(default_factory=list)  # shown since the last output
     num_emitted_tokens: int = 0  # output tokens (and their logprobs) already handed out
+    finish_emitted: bool = False  # its finish reason was in an output: never again
 
 
 @dataclass
@@ -136,11 +137,15 @@ class OutputProcessor:
         state.num_emitted_tokens = seq.num_output_tokens
         text = "".join(state.new_text)
         state.new_text.clear()
+        # A delta: the finish once, in the output where it happens (with n > 1 a sequence that
+        # ended early was otherwise finished again in each of its siblings' outputs)
+        finish = seq.finish_reason if not state.finish_emitted else None
+        state.finish_emitted = seq.finish_reason is not None
         return CompletionOutput(
             index=seq.index,
             text=text,
             token_ids=tokens,
-            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
-            stop_reason=seq.stop_reason,
+            finish_reason=finish.value if finish else None,
+            stop_reason=seq.stop_reason if finish else None,
             logprobs=logprobs,
         )

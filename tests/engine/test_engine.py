@@ -84,6 +84,28 @@ def test_seeded_sampling_is_reproducible_and_n_outputs_differ(engine_llm):
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1
 
 
+def test_each_sequence_finishes_once_in_the_deltas(engine_llm):
+    """n > 1, the sequences ending at different steps: each one's finish reason (and stop
+    reason) is in exactly one delta, the one where it ends. (A sequence that had ended was
+    finished again in each later delta of its siblings: a stream said "stop" twice.)"""
+    engine = engine_llm.engine
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, stop=["e"])
+    engine.add_request("finish-once", engine.tokenizer.encode(PROMPTS[0]), params)
+    finishes: dict[int, list[tuple[int, str | None]]] = {0: [], 1: [], 2: []}
+    step = 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            for o in out.outputs:
+                if o.finish_reason is not None:
+                    finishes[o.index].append((step, o.finish_reason))
+                else:
+                    assert o.stop_reason is None
+    assert all(len(f) == 1 for f in finishes.values()), finishes
+    assert len({f[0][0] for f in finishes.values()}) > 1, "the sequences ended in one step"
+    assert_no_leaks(engine)
+
+
 def test_stop_string_truncates_text(engine_llm, reference):
     tokenizer = engine_llm.get_tokenizer()
     full = tokenizer.decode(reference[0])

@@ -1,0 +1,249 @@
+"""Requests drawn at random, as users send them: the official ``openai`` client, a real router,
+prefill and decode workers. Hypothesis draws the endpoint, the route (always disaggregated, or
+every prompt computed on the decode worker), the prompt and its length, ``n``, greedy or a seeded
+draw (top-p, top-k, min-p), ``max_tokens``, ``min_tokens``, ``ignore_eos``, stop strings (kept in
+the output or not) and stop token ids, penalties, logprobs and streaming; each answer, choice by
+choice, must be the offline engine's for the same prompt and sampling parameters: the same text,
+finish reason, token count and (to float noise) logprobs.
+
+``PDSERVE_PROPERTY_EXAMPLES`` sets how many requests (default 16, to keep ``make test`` short;
+the examples are the same on every run: ``derandomize``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from pdserve import SamplingParams
+from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+
+EXAMPLES = int(os.environ.get("PDSERVE_PROPERTY_EXAMPLES", "16"))
+WORDS = ["the", "cat", "sat", "on", "a", "mat", ".", "Paris", "is", "code", "1", "2", "\n", "é"]
+STOPS = [" the", ".", ",", "\n", "e", " a"]
+STOP_IDS = [28, 30, 198, 253, 260]  # SmolLM2's ",", ".", "\n", " a", " the"
+
+
+@dataclass
+class Drawn:
+    """One request: its endpoint, route, prompt and sampling fields."""
+
+    endpoint: str  # "completions" (the prompt as token ids) or "chat" (a user message)
+    route: str  # "disaggregated" or "local"
+    prompt: list[int] | str
+    n: int
+    temperature: float
+    seed: int | None
+    max_tokens: int
+    stream: bool
+    stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            stop=self.stop or None,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logprobs=self.logprobs,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids or None,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+    def vllm_fields(self) -> dict[str, Any]:
+        """The fields beyond OpenAI's, as vLLM takes them (the client's ``extra_body``)."""
+        return {
+            "repetition_penalty": self.repetition_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
+            "ignore_eos": self.ignore_eos,
+            "stop_token_ids": self.stop_token_ids,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> Drawn:
+    endpoint = draw(st.sampled_from(["completions", "chat"]))
+    prompt: list[int] | str
+    if endpoint == "completions":
+        lengths = st.integers(1, 64) | st.integers(65, 600)  # short, or past a prefill chunk
+        length = draw(lengths)
+        prompt = draw(st.lists(st.integers(100, 40_000), min_size=length, max_size=length))
+    else:
+        prompt = " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=40)))
+    temperature = draw(st.sampled_from([0.0, 0.7, 1.0]))
+    max_tokens = draw(st.integers(1, 10))
+    return Drawn(
+        endpoint=endpoint,
+        route=draw(st.sampled_from(["disaggregated", "local"])),
+        prompt=prompt,
+        n=draw(st.integers(1, 3)),
+        temperature=temperature,
+        seed=None if temperature == 0 else draw(st.integers(0, 2**31 - 1)),
+        max_tokens=max_tokens,
+        stream=draw(st.booleans()),
+        stop=draw(st.lists(st.sampled_from(STOPS), max_size=2, unique=True)),
+        presence_penalty=draw(st.sampled_from([0.0, 0.5])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.3])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.2])),
+        logprobs=draw(st.sampled_from([None, 0, 2])),
+        top_p=draw(st.sampled_from([1.0, 0.9])),
+        top_k=draw(st.sampled_from([0, 5])),
+        min_p=draw(st.sampled_from([0.0, 0.05])),
+        min_tokens=min(draw(st.sampled_from([0, 0, 3])), max_tokens),
+        ignore_eos=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.sampled_from(STOP_IDS), max_size=2)),
+        include_stop_str_in_output=draw(st.booleans()),
+    )
+
+
+@pytest.fixture(scope="module")
+def routers(pd_pair: Cluster) -> Iterator[dict[str, Router]]:
+    """A router that always disaggregates and one that computes every prompt on the decode
+    worker, in front of the shared pair; every block back at the end."""
+    c = pd_pair.with_own_routers()
+    try:
+        prefill, decode = c.workers
+        remote = c.add_router()
+        local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
+        remote.wait_ready(num_workers=2)
+        local.wait_ready(num_workers=2)
+        yield {"disaggregated": remote, "local": local}
+        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0)
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
+
+
+@dataclass
+class Answer:
+    """One choice: its text, finish reason, and its tokens' logprobs (when asked)."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+
+
+def offline(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
+    """The offline engine's choices and completion tokens for the same request."""
+    prompt = drawn.prompt
+    if drawn.endpoint == "chat":
+        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
+    (out,) = llm.generate([prompt], drawn.params())
+    answers = []
+    for o in out.outputs:
+        logprobs = [lp[t] for t, lp in zip(o.token_ids, o.logprobs or [])]
+        answers.append(Answer(o.text, o.finish_reason, logprobs))
+    return answers, sum(len(o.token_ids) for o in out.outputs)
+
+
+def _body(drawn: Drawn) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "n": drawn.n,
+        "temperature": drawn.temperature,
+        "max_tokens": drawn.max_tokens,
+        "presence_penalty": drawn.presence_penalty,
+        "frequency_penalty": drawn.frequency_penalty,
+        "top_p": drawn.top_p,
+        "extra_body": drawn.vllm_fields(),
+    }
+    if drawn.seed is not None:
+        body["seed"] = drawn.seed
+    if drawn.stop:
+        body["stop"] = drawn.stop
+    if drawn.stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    if drawn.endpoint == "completions":
+        body["prompt"] = drawn.prompt
+        if drawn.logprobs is not None:
+            body["logprobs"] = drawn.logprobs
+    else:
+        body["messages"] = [{"role": "user", "content": drawn.prompt}]
+        if drawn.logprobs is not None:
+            body["logprobs"] = True
+            body["top_logprobs"] = drawn.logprobs
+    return body
+
+
+def _logprobs(choice: Any, chat: bool) -> list[float]:
+    if choice.logprobs is None:
+        return []
+    if chat:
+        return [entry.logprob for entry in choice.logprobs.content or []]
+    return list(choice.logprobs.token_logprobs or [])
+
+
+def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
+    """The gateway's choices (in index order) and its usage's completion tokens."""
+    client = router.client()
+    chat = drawn.endpoint == "chat"
+    create = client.chat.completions.create if chat else client.completions.create
+    response = create(**_body(drawn))
+    answers = [Answer() for _ in range(drawn.n)]
+    if not drawn.stream:
+        for choice in response.choices:
+            text = choice.message.content if chat else choice.text
+            answers[choice.index] = Answer(
+                text or "", choice.finish_reason, _logprobs(choice, chat)
+            )
+        return answers, response.usage.completion_tokens
+    completion_tokens = -1
+    for chunk in response:
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            answer = answers[choice.index]
+            answer.text += (choice.delta.content or "") if chat else choice.text
+            answer.logprobs += _logprobs(choice, chat)
+            if choice.finish_reason:
+                assert answer.finish_reason is None, "finish_reason sent twice"
+                answer.finish_reason = choice.finish_reason
+    return answers, completion_tokens
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(drawn=requests())
+def test_a_drawn_request_gets_the_offline_engines_answer(routers, llm, drawn: Drawn) -> None:  # type: ignore[no-untyped-def]
+    note(repr(drawn))
+    want, want_tokens = offline(llm, drawn)
+    got, got_tokens = asked(routers[drawn.route], drawn)
+    assert [(a.text, a.finish_reason) for a in got] == [(a.text, a.finish_reason) for a in want]
+    assert got_tokens == want_tokens
+    for g, w in zip(got, want):
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)
