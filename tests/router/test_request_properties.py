@@ -34,9 +34,9 @@ STOP_IDS = [28, 30, 198, 253, 260]  # SmolLM2's ",", ".", "\n", " a", " the"
 class Drawn:
     """One request: its endpoint, route, prompt and sampling fields."""
 
-    endpoint: str  # "completions" (the prompt as token ids) or "chat" (a user message)
+    endpoint: str  # "completions" (1-3 prompts as token ids) or "chat" (a user message)
     route: str  # "disaggregated" or "local"
-    prompt: list[int] | str
+    prompt: list[list[int]] | str
     n: int
     temperature: float
     seed: int | None
@@ -61,7 +61,7 @@ class Drawn:
             temperature=self.temperature,
             seed=self.seed,
             max_tokens=self.max_tokens,
-            stop=self.stop or None,
+            stop=self.stop,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
@@ -71,7 +71,7 @@ class Drawn:
             min_p=self.min_p,
             min_tokens=self.min_tokens,
             ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids or None,
+            stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
@@ -91,11 +91,13 @@ class Drawn:
 @st.composite
 def requests(draw: st.DrawFn) -> Drawn:
     endpoint = draw(st.sampled_from(["completions", "chat"]))
-    prompt: list[int] | str
+    prompt: list[list[int]] | str
     if endpoint == "completions":
         lengths = st.integers(1, 64) | st.integers(65, 600)  # short, or past a prefill chunk
-        length = draw(lengths)
-        prompt = draw(st.lists(st.integers(100, 40_000), min_size=length, max_size=length))
+        prompt = [
+            draw(st.lists(st.integers(100, 40_000), min_size=length, max_size=length))
+            for length in draw(st.lists(lengths, min_size=1, max_size=3))
+        ]
     else:
         prompt = " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=40)))
     temperature = draw(st.sampled_from([0.0, 0.7, 1.0]))
@@ -155,15 +157,19 @@ class Answer:
 
 def offline(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
     """The offline engine's choices and completion tokens for the same request."""
-    prompt = drawn.prompt
-    if drawn.endpoint == "chat":
-        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": prompt}])
-    (out,) = llm.generate([prompt], drawn.params())
-    answers = []
-    for o in out.outputs:
-        logprobs = [lp[t] for t, lp in zip(o.token_ids, o.logprobs or [])]
-        answers.append(Answer(o.text, o.finish_reason, logprobs))
-    return answers, sum(len(o.token_ids) for o in out.outputs)
+    prompts: list[Any] = [drawn.prompt]
+    if isinstance(drawn.prompt, str):
+        messages = [{"role": "user", "content": drawn.prompt}]
+        prompts = [llm.get_tokenizer().apply_chat_template(messages)]
+    else:
+        prompts = list(drawn.prompt)
+    answers, num_tokens = [], 0
+    for out in llm.generate(prompts, drawn.params()):  # choice p * n + i: prompt p's i-th
+        for o in out.outputs:
+            logprobs = [lp[t] for t, lp in zip(o.token_ids, o.logprobs or [])]
+            answers.append(Answer(o.text, o.finish_reason, logprobs))
+            num_tokens += len(o.token_ids)
+    return answers, num_tokens
 
 
 def _body(drawn: Drawn) -> dict[str, Any]:
@@ -210,7 +216,7 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
     chat = drawn.endpoint == "chat"
     create = client.chat.completions.create if chat else client.completions.create
     response = create(**_body(drawn))
-    answers = [Answer() for _ in range(drawn.n)]
+    answers = [Answer() for _ in range(drawn.n * (1 if chat else len(drawn.prompt)))]
     if not drawn.stream:
         for choice in response.choices:
             text = choice.message.content if chat else choice.text
