@@ -1,8 +1,8 @@
 """What a request yields: the shape vLLM users know (``.outputs[i].text`` and friends).
 
 The engine's ``step()`` returns *deltas*: each ``RequestOutput`` carries only what is new since
-the previous one of its request (tokens, text, logprobs), so streaming costs nothing that grows
-with the output. ``RequestOutput.merge`` folds deltas into the whole answer, which is what the
+the previous one of its request (tokens, text, logprobs; a sequence's finish reason in the one
+delta where it ends), so streaming costs nothing that grows with the output. ``RequestOutput.merge`` folds deltas into the whole answer, which is what the
 offline ``LLM.generate`` returns and what a slow consumer's stream collapses pending deltas into.
 """
 
