@@ -1,10 +1,11 @@
 """Requests drawn at random, as users send them: the official ``openai`` client, a real router,
-prefill and decode workers. Hypothesis draws the endpoint, the route (always disaggregated, or
-every prompt computed on the decode worker), the prompt and its length, ``n``, greedy or a seeded
-draw (top-p, top-k, min-p), ``max_tokens``, ``min_tokens``, ``ignore_eos``, stop strings (kept in
-the output or not) and stop token ids, penalties, logprobs and streaming; each answer, choice by
-choice, must be the offline engine's for the same prompt and sampling parameters: the same text,
-finish reason, token count and (to float noise) logprobs.
+prefill, decode and colocated workers. Hypothesis draws the endpoint, the route (always
+disaggregated, every prompt computed on the decode worker, or a colocated worker), the prompts
+and their lengths, ``n``, greedy or a seeded draw (top-p, top-k, min-p), ``max_tokens``,
+``min_tokens``, ``ignore_eos``, stop strings (kept in the output or not) and stop token ids,
+penalties, logprobs and streaming. Each answer, choice by choice, must be the offline engine's
+for the same prompt and sampling parameters: the same text, finish reason, token count and (to
+float noise) logprobs.
 
 ``PDSERVE_PROPERTY_EXAMPLES`` sets how many requests (default 16, to keep ``make test`` short;
 the examples are the same on every run: ``derandomize``).
@@ -22,7 +23,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from pdserve import SamplingParams
-from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, cluster, wait_until
 
 EXAMPLES = int(os.environ.get("PDSERVE_PROPERTY_EXAMPLES", "16"))
 WORDS = ["the", "cat", "sat", "on", "a", "mat", ".", "Paris", "is", "code", "1", "2", "\n", "é"]
@@ -35,7 +36,7 @@ class Drawn:
     """One request: its endpoint, route, prompt and sampling fields."""
 
     endpoint: str  # "completions" (1-3 prompts as token ids) or "chat" (a user message)
-    route: str  # "disaggregated" or "local"
+    route: str  # "disaggregated", "local" (on the decode worker) or "colocated"
     prompt: list[list[int]] | str
     n: int
     temperature: float
@@ -104,7 +105,7 @@ def requests(draw: st.DrawFn) -> Drawn:
     max_tokens = draw(st.integers(1, 10))
     return Drawn(
         endpoint=endpoint,
-        route=draw(st.sampled_from(["disaggregated", "local"])),
+        route=draw(st.sampled_from(["disaggregated", "local", "colocated"])),
         prompt=prompt,
         n=draw(st.integers(1, 3)),
         temperature=temperature,
@@ -127,17 +128,20 @@ def requests(draw: st.DrawFn) -> Drawn:
 
 
 @pytest.fixture(scope="module")
-def routers(pd_pair: Cluster) -> Iterator[dict[str, Router]]:
-    """A router that always disaggregates and one that computes every prompt on the decode
-    worker, in front of the shared pair; every block back at the end."""
+def routers(pd_pair: Cluster, redis_server) -> Iterator[dict[str, Router]]:  # type: ignore[no-untyped-def]
+    """Three routes: a router that always disaggregates and one that computes every prompt on
+    the decode worker, both in front of the shared pair, and a router in front of a colocated
+    worker of its own; every block back at the end."""
     c = pd_pair.with_own_routers()
     try:
         prefill, decode = c.workers
         remote = c.add_router()
         local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
-        remote.wait_ready(num_workers=2)
-        local.wait_ready(num_workers=2)
-        yield {"disaggregated": remote, "local": local}
+        with cluster(redis_server.url, ("colocated",)) as (own, colocated):
+            remote.wait_ready(num_workers=2)
+            local.wait_ready(num_workers=2)
+            yield {"disaggregated": remote, "local": local, "colocated": colocated}
+            assert wait_until(lambda: blocks_in_use(own.workers[0]) == 0)
         assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0)
     except BaseException:
         c.dump()
