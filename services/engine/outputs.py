@@ -2,8 +2,9 @@
 
 The engine's ``step()`` returns *deltas*: each ``RequestOutput`` carries only what is new since
 the previous one of its request (tokens, text, logprobs; a sequence's finish reason in the one
-delta where it ends), so streaming costs nothing that grows with the output. ``RequestOutput.merge`` folds deltas into the whole answer, which is what the
-offline ``LLM.generate`` returns and what a slow consumer's stream collapses pending deltas into.
+delta where it ends), so streaming costs nothing that grows with the output.
+``RequestOutput.merge`` folds deltas into the whole answer, which is what the offline
+``LLM.generate`` returns and what a slow consumer's stream collapses pending deltas into.
 """
 
 from __future__ import annotations
