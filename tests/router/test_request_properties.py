@@ -3,14 +3,14 @@ prefill, decode and colocated workers. Hypothesis draws the endpoint, the route 
 disaggregated, every prompt computed on the decode worker, or a colocated worker), the prompts
 and their lengths, ``n``, greedy or a seeded draw (top-p, top-k, min-p), ``max_tokens``,
 ``min_tokens``, ``ignore_eos``, stop strings (kept in the output or not) and stop token ids,
-penalties, logprobs and streaming. Each answer, choice by choice, must be the offline engine's
-for the same prompt and sampling parameters: the same text, finish reason, token count and (to
-float noise) logprobs.
+penalties, logprobs, a structured output (a choice, a regex, any JSON object) and streaming.
+Each answer, choice by choice, must be the offline engine's for the same prompt and sampling
+parameters: the same text, finish reason, token count and (to float noise) logprobs.
 
 ``PDSERVE_PROPERTY_EXAMPLES`` sets how many requests (default 16, to keep ``make test`` short).
 The examples change every hour (the seed is the hour, as in test_openai_api's residue sample), so
 successive runs sample the space instead of repeating one corner of it; a failure prints the
-request (``Drawn``) and the ``@seed`` that draws it again.
+request (``Drawn``), and ``PDSERVE_PROPERTY_SEED`` (the hour's number) draws the same again.
 """
 
 from __future__ import annotations
@@ -25,14 +25,27 @@ import pytest
 from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
 
+from common.sampling_params import StructuredOutput
 from pdserve import SamplingParams
 from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, cluster, wait_until
 
 EXAMPLES = int(os.environ.get("PDSERVE_PROPERTY_EXAMPLES", "16"))
-HOURLY_SEED = int(time.time()) // 3600
+SEED = int(os.environ.get("PDSERVE_PROPERTY_SEED", int(time.time()) // 3600))
 WORDS = ["the", "cat", "sat", "on", "a", "mat", ".", "Paris", "is", "code", "1", "2", "\n", "é"]
 STOPS = [" the", ".", ",", "\n", "e", " a"]
 STOP_IDS = [28, 30, 198, 253, 260]  # SmolLM2's ",", ".", "\n", " a", " the"
+# Structured outputs, as the request's ``structured_outputs`` field and the engine's spec.
+STRUCTURED: list[tuple[dict[str, Any], StructuredOutput]] = [
+    (
+        {"choice": ["yes", "no", "maybe so"]},
+        StructuredOutput("choice", '["yes", "no", "maybe so"]'),
+    ),
+    (
+        {"regex": "[a-z]{1,6}( [a-z]{1,6}){0,2}"},
+        StructuredOutput("regex", "[a-z]{1,6}( [a-z]{1,6}){0,2}"),
+    ),
+    ({"json_object": True}, StructuredOutput("json_object")),
+]
 
 
 @dataclass
@@ -59,6 +72,7 @@ class Drawn:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
+    structured: int | None = None  # an index into STRUCTURED
 
     def params(self) -> SamplingParams:
         return SamplingParams(
@@ -78,11 +92,12 @@ class Drawn:
             ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured=None if self.structured is None else STRUCTURED[self.structured][1],
         )
 
     def vllm_fields(self) -> dict[str, Any]:
         """The fields beyond OpenAI's, as vLLM takes them (the client's ``extra_body``)."""
-        return {
+        fields: dict[str, Any] = {
             "repetition_penalty": self.repetition_penalty,
             "top_k": self.top_k,
             "min_p": self.min_p,
@@ -91,6 +106,9 @@ class Drawn:
             "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
         }
+        if self.structured is not None:
+            fields["structured_outputs"] = STRUCTURED[self.structured][0]
+        return fields
 
 
 @st.composite
@@ -107,6 +125,8 @@ def requests(draw: st.DrawFn) -> Drawn:
         prompt = " ".join(draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=40)))
     temperature = draw(st.sampled_from([0.0, 0.7, 1.0]))
     max_tokens = draw(st.integers(1, 10))
+    structured = draw(st.sampled_from([None, None, 0, 1, 2]))
+    free = structured is None  # a grammar ends the output: no min_tokens, no ignore_eos
     return Drawn(
         endpoint=endpoint,
         route=draw(st.sampled_from(["disaggregated", "local", "colocated"])),
@@ -124,10 +144,11 @@ def requests(draw: st.DrawFn) -> Drawn:
         top_p=draw(st.sampled_from([1.0, 0.9])),
         top_k=draw(st.sampled_from([0, 5])),
         min_p=draw(st.sampled_from([0.0, 0.05])),
-        min_tokens=min(draw(st.sampled_from([0, 0, 3])), max_tokens),
-        ignore_eos=draw(st.booleans()),
+        min_tokens=min(draw(st.sampled_from([0, 0, 3])), max_tokens) if free else 0,
+        ignore_eos=draw(st.booleans()) and free,
         stop_token_ids=draw(st.lists(st.sampled_from(STOP_IDS), max_size=2)),
         include_stop_str_in_output=draw(st.booleans()),
+        structured=structured,
     )
 
 
@@ -251,7 +272,7 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-@seed(HOURLY_SEED)
+@seed(SEED)
 @given(drawn=requests())
 def test_a_drawn_request_gets_the_offline_engines_answer(routers, llm, drawn: Drawn) -> None:  # type: ignore[no-untyped-def]
     note(repr(drawn))
