@@ -151,6 +151,25 @@ def cluster(
         c.stop()
 
 
+@contextmanager
+def own_routers(pair: Cluster) -> Iterator[Cluster]:
+    """A test module's routers in front of ``pair`` (the shared prefill + decode workers):
+    they stop at the end, and every KV block of the pair must be back by then (the next module
+    starts from the same baseline); the processes' output is printed on failure."""
+    c = pair.with_own_routers()
+    try:
+        yield c
+        prefill, decode = c.workers
+        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0), (
+            f"blocks leaked: prefill {blocks_in_use(prefill)}, decode {blocks_in_use(decode)}"
+        )
+    except BaseException:
+        c.dump()
+        raise
+    finally:
+        c.stop()
+
+
 def spawn_workers(c: Cluster, *roles: str) -> list[WorkerProcess]:
     """Like ``Cluster.add_workers`` without waiting: ``wait_ready()`` each one later, so that
     routers can start while the workers load their model."""

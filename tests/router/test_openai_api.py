@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from pdserve import SamplingParams
-from tests.router.cluster import MODEL, blocks_in_use, cluster, wait_until
+from tests.router.cluster import MODEL, blocks_in_use, cluster, own_routers, wait_until
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,20 +22,10 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def disagg(pd_pair):  # type: ignore[no-untyped-def]
-    c = pd_pair.with_own_routers()
-    try:
+    with own_routers(pd_pair) as c:
         router = c.add_router()
         router.wait_ready(num_workers=2)
         yield c, router
-        prefill, decode = c.workers
-        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0), (
-            f"blocks leaked: prefill {blocks_in_use(prefill)}, decode {blocks_in_use(decode)}"
-        )
-    except BaseException:
-        c.dump()
-        raise
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,15 @@ from hypothesis import strategies as st
 
 from common.sampling_params import StructuredOutput
 from pdserve import SamplingParams
-from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, cluster, wait_until
+from tests.router.cluster import (
+    MODEL,
+    Cluster,
+    Router,
+    blocks_in_use,
+    cluster,
+    own_routers,
+    wait_until,
+)
 
 EXAMPLES = int(os.environ.get("PDSERVE_PROPERTY_EXAMPLES", "16"))
 SEED = int(os.environ.get("PDSERVE_PROPERTY_SEED", int(time.time()) // 3600))
@@ -157,9 +165,7 @@ def routers(pd_pair: Cluster, redis_server) -> Iterator[dict[str, Router]]:  # t
     """Three routes: a router that always disaggregates and one that computes every prompt on
     the decode worker, both in front of the shared pair, and a router in front of a colocated
     worker of its own; every block back at the end."""
-    c = pd_pair.with_own_routers()
-    try:
-        prefill, decode = c.workers
+    with own_routers(pd_pair) as c:
         remote = c.add_router()
         local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
         with cluster(redis_server.url, ("colocated",)) as (own, colocated):
@@ -167,12 +173,6 @@ def routers(pd_pair: Cluster, redis_server) -> Iterator[dict[str, Router]]:  # t
             local.wait_ready(num_workers=2)
             yield {"disaggregated": remote, "local": local, "colocated": colocated}
             assert wait_until(lambda: blocks_in_use(own.workers[0]) == 0)
-        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0)
-    except BaseException:
-        c.dump()
-        raise
-    finally:
-        c.stop()
 
 
 @dataclass

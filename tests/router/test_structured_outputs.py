@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+from tests.router.cluster import MODEL, Cluster, Router, own_routers
 
 EXAMPLES = int(os.environ.get("PDSERVE_STRUCTURED_EXAMPLES", "12"))
 PROPERTY = settings(
@@ -40,20 +40,12 @@ MAX_TOKENS = 96  # the schemas below are bounded well within it
 def routers(pd_pair: Cluster) -> Iterator[tuple[Router, Router]]:
     """One prefill and one decode worker (the shared pair); a router that always disaggregates
     and one that computes every prompt on the decode worker."""
-    c = pd_pair.with_own_routers()
-    try:
-        prefill, decode = c.workers
+    with own_routers(pd_pair) as c:
         remote = c.add_router()
         local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
         remote.wait_ready(num_workers=2)
         local.wait_ready(num_workers=2)
         yield remote, local
-        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0)
-    except BaseException:
-        c.dump()
-        raise
-    finally:
-        c.stop()
 
 
 # ----- generated schemas ----------------------------------------------------------------------

@@ -29,7 +29,7 @@ import jsonschema
 import pytest
 
 from services.engine.tokenizer import Tokenizer
-from tests.router.cluster import MODEL, Cluster, Router, blocks_in_use, wait_until
+from tests.router.cluster import MODEL, Cluster, Router, own_routers
 
 WEATHER = {
     "type": "object",
@@ -72,9 +72,7 @@ def routers(
     the decode worker ("local", a template that shows tools, calls and results: TEMPLATE)."""
     template = tmp_path_factory.mktemp("template") / "tools.jinja"
     template.write_text(TEMPLATE)
-    c = pd_pair.with_own_routers()
-    try:
-        prefill, decode = c.workers
+    with own_routers(pd_pair) as c:
         remote = c.add_router()
         local = c.add_router(
             "--disaggregation",
@@ -87,12 +85,6 @@ def routers(
         remote.wait_ready(num_workers=2)
         local.wait_ready(num_workers=2)
         yield {"pulled": remote, "local": local}
-        assert wait_until(lambda: blocks_in_use(decode) == 0 and blocks_in_use(prefill) == 0)
-    except BaseException:
-        c.dump()
-        raise
-    finally:
-        c.stop()
 
 
 def ask(router: Router, route: str, stream: bool, **kwargs: Any) -> tuple[dict[str, Any], str]:
