@@ -64,7 +64,8 @@ class Drawn:
     """One request: its endpoint, route, prompts and sampling and output fields."""
 
     endpoint: str  # "completions" (1-3 prompts, token ids or text) or "chat"
-    route: str  # "disaggregated", "local" (on the decode worker) or "colocated"
+    route: str  # "disaggregated" (KV streamed), "whole" (pulled once computed), "local" (on the
+    # decode worker) or "colocated"
     prompt: list[Prompt] | str  # completions: the prompts; chat: the user's message
     n: int
     temperature: float
@@ -200,7 +201,7 @@ def requests(draw: st.DrawFn) -> Drawn:
     bias = st.sampled_from([-100.0, -3.0, 3.0, 100.0])
     return Drawn(
         endpoint=endpoint,
-        route=draw(st.sampled_from(["disaggregated", "local", "colocated"])),
+        route=draw(st.sampled_from(["disaggregated", "whole", "local", "colocated"])),
         prompt=prompt,
         n=draw(st.integers(1, 3)),
         temperature=temperature,

@@ -1,14 +1,19 @@
 """Requests drawn at random, as users send them: the official ``openai`` client, a real router,
-prefill, decode and colocated workers. Hypothesis draws (tests/router/drawn_requests.py) the
-endpoint, the route (always disaggregated, every prompt computed on the decode worker, or a
-colocated worker), the prompts (token ids or text; a chat with or without a system message) and
-their lengths, ``n``, greedy or a seeded draw (top-p, top-k, min-p), ``max_tokens``,
-``min_tokens``, ``ignore_eos``, stop strings (kept in the output or not) and stop token ids,
-penalties, ``logit_bias``, logprobs and their top alternatives (named by id or by text),
-``echo``, vLLM's ``prompt_logprobs``, a structured output (a choice, a regex, any JSON object)
-and streaming. Each answer, choice by choice, must be the offline engine's for the same prompt
-tokens and sampling parameters: the same text, finish reason, token count, tokens and (to float
-noise) logprobs of the output and of the prompt.
+prefill, decode and colocated workers. Hypothesis draws (tests/router/drawn_requests.py):
+
+- the endpoint and route: completions (1-3 prompts, token ids or text) or chat (with or without
+  a system message); always disaggregated (the KV streamed as the prompt computes, or pulled
+  whole once it has), every prompt computed on the decode worker, or a colocated worker;
+- sampling: ``n``, greedy or a seeded draw (top-p, top-k, min-p), ``max_tokens``,
+  ``min_tokens``, ``ignore_eos``, stop strings (kept in the output or not) and stop token ids,
+  penalties, ``logit_bias``;
+- output: logprobs and their top alternatives (named by id or by text), ``echo`` (also with
+  ``max_tokens`` 0), vLLM's ``prompt_logprobs``, a structured output (a choice, a regex, any
+  JSON object), tools (``none``, ``auto``, ``required``, a named function), streaming.
+
+Each answer, choice by choice, must be the offline engine's for the same prompt tokens and
+sampling parameters: the same text, tool calls, finish reason, token count, tokens and (to
+float noise) logprobs of the output and of the prompt.
 
 ``PDSERVE_PROPERTY_EXAMPLES`` sets how many requests (default 16, to keep ``make test`` short).
 The examples change every hour (the seed is the hour, as in test_openai_api's residue sample), so
@@ -43,16 +48,21 @@ SEED = int(os.environ.get("PDSERVE_PROPERTY_SEED", int(time.time()) // 3600))
 
 @pytest.fixture(scope="module")
 def routers(pd_pair: Cluster, redis_server) -> Iterator[dict[str, Router]]:  # type: ignore[no-untyped-def]
-    """Three routes: a router that always disaggregates and one that computes every prompt on
-    the decode worker, both in front of the shared pair, and a router in front of a colocated
-    worker of its own; every block back at the end."""
+    """Four routes: routers that always disaggregate (the KV streamed as the prompt computes,
+    or pulled whole once it has) and one that computes every prompt on the decode worker, in
+    front of the shared pair, and a router in front of a colocated worker of its own; every
+    block back at the end."""
+    local = ["--disaggregation", "conditional", "--local-prefill-tokens", "4096"]
     with own_routers(pd_pair) as c:
-        remote = c.add_router()
-        local = c.add_router("--disaggregation", "conditional", "--local-prefill-tokens", "4096")
+        routes = {
+            "disaggregated": c.add_router(),
+            "whole": c.add_router("--no-stream-kv"),
+            "local": c.add_router(*local),
+        }
         with cluster(redis_server.url, ("colocated",)) as (own, colocated):
-            remote.wait_ready(num_workers=2)
-            local.wait_ready(num_workers=2)
-            yield {"disaggregated": remote, "local": local, "colocated": colocated}
+            for router in routes.values():
+                router.wait_ready(num_workers=2)
+            yield {**routes, "colocated": colocated}
             assert wait_until(lambda: blocks_in_use(own.workers[0]) == 0)
 
 
