@@ -13,7 +13,9 @@ prefill, decode and colocated workers. Hypothesis draws (tests/router/drawn_requ
 
 Each answer, choice by choice, must be the offline engine's for the same prompt tokens and
 sampling parameters: the same text, tool calls, finish reason, token count, tokens and (to
-float noise) logprobs of the output and of the prompt.
+float noise) logprobs of the output and of the prompt. The requests go one at a time, and in
+batches of 2-4 sent at once (a quarter as many), so that different requests share the workers'
+steps.
 
 ``PDSERVE_PROPERTY_EXAMPLES`` sets how many requests (default 16, to keep ``make test`` short).
 The examples change every hour (the seed is the hour, as in test_openai_api's residue sample), so
@@ -26,10 +28,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, note, seed, settings
+from hypothesis import strategies as st
 
 from tests.router.cluster import (
     MODEL,
@@ -211,20 +215,41 @@ def compare(got: Answer, want: Answer, drawn: Drawn) -> None:
             same_entries(g, w)
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+def check(drawn: Drawn, got: tuple[list[Answer], int], want: tuple[list[Answer], int]) -> None:
+    """The gateway's answer (choices, completion tokens) against the offline engine's."""
+    assert [(a.text, a.finish_reason, a.tool_calls) for a in got[0]] == [
+        (a.text, a.finish_reason, a.tool_calls) for a in want[0]
+    ]
+    assert got[1] == want[1]
+    for g, w in zip(got[0], want[0]):
+        compare(g, w, drawn)
+
+
+def property_settings(max_examples: int) -> settings:
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
+@property_settings(EXAMPLES)
 @seed(SEED)
 @given(drawn=requests())
 def test_a_drawn_request_gets_the_offline_engines_answer(routers, llm, drawn: Drawn) -> None:  # type: ignore[no-untyped-def]
     note(repr(drawn))
-    want, want_tokens = expected(llm, drawn)
-    got, got_tokens = asked(routers[drawn.route], drawn)
-    assert [(a.text, a.finish_reason, a.tool_calls) for a in got] == [
-        (a.text, a.finish_reason, a.tool_calls) for a in want
-    ]
-    assert got_tokens == want_tokens
-    for g, w in zip(got, want):
-        compare(g, w, drawn)
+    check(drawn, asked(routers[drawn.route], drawn), expected(llm, drawn))
+
+
+@property_settings(max(EXAMPLES // 4, 1))
+@seed(SEED)
+@given(batch=st.lists(requests(), min_size=2, max_size=4))
+def test_drawn_requests_sent_together_get_the_offline_engines_answers(routers, llm, batch) -> None:  # type: ignore[no-untyped-def]
+    """Requests in flight together share the workers' steps: rows with different sampling,
+    penalties, biases, grammars and logprobs in one batch; each must still get the answer the
+    offline engine gives it alone."""
+    note(repr(batch))
+    with ThreadPoolExecutor(len(batch)) as pool:
+        answers = list(pool.map(lambda drawn: asked(routers[drawn.route], drawn), batch))
+    for drawn, got in zip(batch, answers):
+        check(drawn, got, expected(llm, drawn))
