@@ -8,6 +8,8 @@ AuthenticationError, 404 NotFoundError, 413, 429 RateLimitError, 503 InternalSer
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -74,7 +76,7 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    first = _union_error(errors)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     # Union members add their type name to the location ("prompt.str"): keep the field path.
     loc = [part for part in loc if not _is_type_tag(part)]
@@ -100,6 +102,72 @@ def validation_error(exc: RequestValidationError, content_type: str | None = Non
 
 
 _NOT_AN_OBJECT = ("model_attributes_type", "dict_type")
+
+
+def _union_error(errors: Sequence[Any]) -> dict[str, Any]:
+    """The error to report. pydantic lists a failed union's members in order, and the first is
+    usually "not a string" whatever the value (``prompt: [-1]``). Report instead the member the
+    value fits: the deepest broken constraint (``prompt.0``: greater than or equal to 0), else
+    the one member the value got deepest into; when it fits none, every shape the field takes."""
+    first = errors[0]
+    field, members = _union_members(first, errors)
+    if len(members) < 2:
+        return dict(first)
+    broken = [e for e in members if not _is_shape_mismatch(e)]
+    if broken:
+        return dict(max(broken, key=lambda e: len(e["loc"])))
+    depths = sorted((len(e["loc"]) for e in members), reverse=True)
+    if depths[0] > depths[1]:
+        return dict(max(members, key=lambda e: len(e["loc"])))
+    shapes = [_shape(_plain_tag(str(e["loc"][len(field)]))) for e in members]
+    named = list(dict.fromkeys(shape for shape in shapes if shape))
+    if len(named) < 2:
+        return dict(first)
+    message = "Input should be " + ", ".join(named[:-1]) + " or " + named[-1]
+    return {**first, "loc": field, "msg": message}
+
+
+def _union_members(first: Any, errors: Sequence[Any]) -> tuple[tuple[Any, ...], list[Any]]:
+    """The field of the first error when it is a union member's, and its members' errors."""
+    loc = tuple(first.get("loc", ()))
+    tagged = [i for i, part in enumerate(loc) if isinstance(part, str) and _is_type_tag(part)]
+    if not tagged:
+        return loc, []
+    field = loc[: tagged[0]]
+    n = len(field)
+    members = [e for e in errors if tuple(e.get("loc", ()))[:n] == field and len(e["loc"]) > n]
+    return field, members
+
+
+def _is_shape_mismatch(error: Any) -> bool:
+    """The value is not of this member's kind at all (a list where a string goes, a string
+    among integers), as opposed to a value of its kind that breaks a constraint."""
+    return str(error.get("type", "")).endswith(("_type", "_parsing"))
+
+
+# How a message names a union member's type, by its tag without validators and constraints.
+_SHAPES = {
+    "str": "a string",
+    "int": "an integer",
+    "list[str]": "a list of strings",
+    "list[int]": "a list of integers",
+    "list[list[int]]": "a list of lists of integers",
+    "list[TextPart]": "a list of content parts",
+}
+
+
+def _shape(tag: str) -> str:
+    return "an object" if tag.startswith("dict[") else _SHAPES.get(tag, "")
+
+
+def _plain_tag(tag: str) -> str:
+    """``list[function-after[_encodable(), str]]`` -> ``list[str]``; ``constrained-int``: int."""
+    tag = tag.replace("constrained-", "")
+    while True:
+        plain = re.sub(r"function-[a-z-]+\[[^\[\]]*?, ([^\[\]]+)\]", r"\1", tag)
+        if plain == tag:
+            return plain
+        tag = plain
 
 
 def _is_json(content_type: str | None) -> bool:
