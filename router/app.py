@@ -10,10 +10,10 @@ import hashlib
 import inspect
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -35,6 +35,7 @@ from router.tool_output import ToolOutput
 from router.tool_parsers import parser_for
 from router.worker_calls import Chunk, SubRequest
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
@@ -267,23 +268,22 @@ async def _respond(
     if not stream:
         clock = _Clock(gateway, arrival, span, entry)
         try:
-            done = await _until_done_or_disconnected(
+            await _unless_disconnected(
                 request, _collect(gateway, subs, builder, clock, admit, slots)
             )
+        except _ClientLeft:  # nobody is listening; the status only shows in metrics and logs
+            return Response(status_code=499)
         finally:
             clock.finish(builder)
-        if not done:  # nobody is listening; the status only shows in metrics and logs
-            return Response(status_code=499)
         return JSONResponse(builder.response())
     events = _events(gateway, subs, builder, _Clock(gateway, arrival, span, entry), admit, slots)
     try:  # errors before the first event get their HTTP status; a client gone cancels it
-        first = await _first_event_or_disconnected(request, events)
-    except BaseException:
+        first = await _unless_disconnected(request, anext(events))
+    except BaseException as exc:
         await events.aclose()
+        if isinstance(exc, _ClientLeft):  # before the first token: nothing runs any more
+            return Response(status_code=499)
         raise
-    if first is None:  # the client left before the first token: nothing is running any more
-        await events.aclose()
-        return Response(status_code=499)
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -372,9 +372,13 @@ GRAMMAR_DEAD_END = (
 )
 
 
-async def _until_done_or_disconnected(request: Request, work) -> bool:  # type: ignore[no-untyped-def]
-    """Run ``work``; cancel it (aborting the request on its workers) if the client leaves.
-    Returns False when the client left first; raises what ``work`` raises."""
+class _ClientLeft(Exception):
+    """The client disconnected before the awaited work was done."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """What ``work`` returns or raises; ``_ClientLeft`` when the client left first, and then
+    ``work`` is cancelled (which aborts its request on the workers)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
@@ -387,30 +391,8 @@ async def _until_done_or_disconnected(request: Request, work) -> bool:  # type: 
     if not task.done():
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-        return False
-    task.result()
-    return True
-
-
-async def _first_event_or_disconnected(
-    request: Request, events: AsyncGenerator[bytes, None]
-) -> bytes | None:
-    """The stream's first event; None when the client left before it (the prefill is
-    cancelled then: closing the generator aborts the request on its workers)."""
-    first = asyncio.ensure_future(anext(events))
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({first, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        first.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if not first.done():
-        first.cancel()
-        await asyncio.gather(first, return_exceptions=True)
-        return None
-    return first.result()
+        raise _ClientLeft
+    return task.result()
 
 
 async def _disconnected(request: Request) -> None:
