@@ -2,16 +2,19 @@
 
 `ToolOutput` knows a request's `ToolPlan` and parser; for each choice it makes the response's
 ``message`` (calls with ids ``call_...``, ``content`` null when only calls, ``finish_reason``
-``tool_calls``) or a `ToolStream` that turns the choice's text pieces into stream deltas:
+``tool_calls`` but for a named function) or a `ToolStream` that turns the choice's text pieces
+into stream deltas:
 
-- named: the text is the call's arguments (the grammar made it so); the first delta opens the
-  call (id, name), the next ones carry the arguments piece by piece.
+- named: the text is the call's arguments (the grammar made it so), whole or not; the first
+  delta opens the call (id, name), the next ones carry the arguments piece by piece. The finish
+  reason stays the workers' (``stop``, or ``length`` when ``max_tokens`` cut the arguments), as
+  OpenAI's API answers a forced function, and as ``vllm serve`` does.
 - required: the text is a JSON array of calls; they are sent whole when the choice ends.
 - auto: text streams as content until the parser sees that a call may begin; the rest is held
   and read when the choice ends: calls if it parses, else the held text as content.
 
-Output that does not read as calls (cut by ``max_tokens``, or a malformed call the model wrote)
-comes back as plain content with the workers' finish reason.
+With required or auto, output that does not read as calls (cut by ``max_tokens``, or a
+malformed call the model wrote) comes back as plain content with the workers' finish reason.
 """
 
 from __future__ import annotations
@@ -43,10 +46,9 @@ class ToolOutput:
 
     def read(self, text: str) -> Parsed:
         """The choice's whole text as content and calls."""
-        if self.plan.mode == "named":
-            ok = isinstance(_loads(text), dict)
+        if self.plan.mode == "named":  # as streamed: a call from the first piece on, cut or not
             return (
-                Parsed(None, [ParsedCall(self.plan.function or "", text)]) if ok else Parsed(text)
+                Parsed(None, [ParsedCall(self.plan.function or "", text)]) if text else Parsed("")
             )
         if self.plan.mode == "required":
             value = _loads(text)
@@ -67,7 +69,8 @@ class ToolOutput:
         if not parsed.calls:
             return {"role": "assistant", "content": text}, finish_reason
         calls = [_call(c) for c in parsed.calls]
-        return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "tool_calls"
+        message = {"role": "assistant", "content": parsed.content, "tool_calls": calls}
+        return message, finish_reason if self.plan.mode == "named" else "tool_calls"
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -106,8 +109,7 @@ class ToolStream:
         """The last deltas and the finish reason, when the choice ends."""
         mode = self.output.plan.mode
         if mode == "named":
-            ok = self.name_sent and isinstance(_loads(self.text), dict)
-            return [], "tool_calls" if ok else finish_reason
+            return [], finish_reason
         parsed = self.output.read(self.text)
         if not parsed.calls:
             return self._content_until(len(self.text)), finish_reason

@@ -297,17 +297,12 @@ def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
 
 def _as_calls(answer: Answer, drawn: Drawn, chat_template: str | None) -> Answer:
     """The answer with its text read as tool calls, as the router reads it (router.tool_output,
-    whose parsing test_tool_parsers checks; here the text it reads is what is checked). Streamed,
-    a named call goes out as the text arrives, so it is a call whatever the text."""
+    whose parsing test_tool_parsers checks; here the text it reads is what is checked)."""
     plan = drawn.tool_plan()
     if plan is None:
         return answer
     output = ToolOutput(plan, parser_for("auto", chat_template))  # the router's default parser
     message, finish = output.message(answer.text, answer.finish_reason)
-    if drawn.stream and plan.mode == "named":  # the call opened with the first text
-        answer.tool_calls = [(plan.function or "", answer.text)] if answer.text else []
-        answer.text, answer.finish_reason = "", finish
-        return answer
     answer.text, answer.finish_reason = message.get("content") or "", finish
     calls = message.get("tool_calls", [])
     answer.tool_calls = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]

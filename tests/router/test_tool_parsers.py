@@ -122,14 +122,16 @@ def test_the_default_parser_follows_the_chat_template():  # type: ignore[no-unty
 
 
 # ----- whole and streamed answers -------------------------------------------------------------
-def streamed(output: ToolOutput, text: str, size: int) -> tuple[dict[str, Any], str | None]:
+def streamed(
+    output: ToolOutput, text: str, size: int, finish: str = "stop"
+) -> tuple[dict[str, Any], str | None]:
     """``text`` streamed in pieces of ``size`` characters, its deltas added up as the openai
-    client does."""
+    client does; ``finish``: the workers' finish reason."""
     stream = output.stream()
     deltas = []
     for i in range(0, len(text), size):
         deltas += stream.feed(text[i : i + size])
-    last, reason = stream.finish("stop")
+    last, reason = stream.finish(finish)
     content, calls = None, {}  # type: ignore[var-annotated]
     for delta in deltas + last:
         if "content" in delta:
@@ -142,8 +144,8 @@ def streamed(output: ToolOutput, text: str, size: int) -> tuple[dict[str, Any], 
     return {"content": content, "calls": [calls[i] for i in sorted(calls)]}, reason
 
 
-def whole(output: ToolOutput, text: str) -> tuple[dict[str, Any], str | None]:
-    message, reason = output.message(text, "stop")
+def whole(output: ToolOutput, text: str, finish: str = "stop") -> tuple[dict[str, Any], str | None]:
+    message, reason = output.message(text, finish)
     calls = [c["function"] for c in message.get("tool_calls", [])]
     assert all(c["id"].startswith("call_") for c in message.get("tool_calls", []))
     return {"content": message["content"], "calls": calls}, reason
@@ -160,7 +162,7 @@ CASES = [
     ("required", "hermes", '[{"name": "get_time", "arguments": {}}]', 1),
     ("required", "hermes", '[{"name": "get_time", "argu', 0),  # cut by max_tokens
     ("named", "hermes", '{"city": "Paris"}', 1),
-    ("named", "hermes", '{"city": "Par', 0),
+    ("named", "hermes", '{"city": "Par', 1),  # cut: still the call, as it was streamed
 ]
 
 
@@ -173,23 +175,34 @@ def test_streamed_deltas_add_up_to_the_whole_answer(choice, parser, text, num_ca
     output = ToolOutput(plan, PARSERS[parser])
     expected, reason = whole(output, text)
     assert len(expected["calls"]) == num_calls
-    assert reason == ("tool_calls" if num_calls else "stop")
-    if num_calls:
+    # OpenAI's finish reasons: a forced (named) function ends with "stop", as vllm serve's
+    assert reason == ("tool_calls" if num_calls and choice != "named" else "stop")
+    if choice == "named":  # the text is the arguments, whole or cut
+        assert expected == {"content": None, "calls": [{"name": "get_weather", "arguments": text}]}
+    elif num_calls:
         assert all(isinstance(json.loads(c["arguments"]), dict) for c in expected["calls"])
     else:
         assert expected["content"] == text  # not a call: the text as it came
     for size in (1, 2, 3, 7, len(text)):
         got, got_reason = streamed(output, text, size)
-        if choice == "named" and not num_calls:  # the partial call was streamed as it came
-            assert got["calls"] == [{"name": "get_weather", "arguments": text}]
-        else:
-            assert got == {
-                "content": expected["content"],
-                "calls": [
-                    {"name": c["name"], "arguments": c["arguments"]} for c in expected["calls"]
-                ],
-            }, size
+        assert got == {
+            "content": expected["content"],
+            "calls": [{"name": c["name"], "arguments": c["arguments"]} for c in expected["calls"]],
+        }, size
         assert got_reason == reason
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_named_call_keeps_the_workers_finish_reason(finish):  # type: ignore[no-untyped-def]
+    """Cut by ``max_tokens`` ("length") or not, whole or streamed: the call, and the reason the
+    workers gave (OpenAI's API answers a forced function with "stop", not "tool_calls")."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    output = ToolOutput(plan_tools(TOOLS, named, None, None), PARSERS["hermes"])
+    text = '{"city": "Paris"}' if finish == "stop" else '{"city": "Pa'
+    call = [{"name": "get_weather", "arguments": text}]
+    assert whole(output, text, finish) == ({"content": None, "calls": call}, finish)
+    assert streamed(output, text, 3, finish) == ({"content": None, "calls": call}, finish)
+    assert whole(output, "", finish) == ({"content": "", "calls": []}, finish)  # no text: none
 
 
 def test_required_and_named_grammars_accept_valid_calls_only():  # type: ignore[no-untyped-def]
