@@ -1,5 +1,5 @@
-"""The control plane's shared vocabulary: sampling parameters and logprobs to and from their
-proto messages, and the cluster-token header every internal call carries.
+"""The control plane's shared vocabulary: sampling parameters, logprobs and stop reasons to and
+from their proto messages, and the cluster-token header every internal call carries.
 
 proto3 cannot tell an unset number from zero, so for ``n``, ``top_p``, ``repetition_penalty`` and
 ``max_tokens`` a zero means "the default".
@@ -99,3 +99,20 @@ def logprobs_to_proto(entry: dict[int, float] | None) -> pb.TokenLogprobs:
 
 def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float] | None:
     return {e.token_id: e.logprob for e in msg.entries} or None
+
+
+StopReason = str | int | None  # vLLM's stop_reason: the stop string or stop token id matched
+
+
+def set_stop_reason(message: pb.GenerateChunk | pb.PrefillResponse, reason: StopReason) -> None:
+    """``reason`` into ``message``'s stop_string or stop_token_id (neither for None)."""
+    if isinstance(reason, str):
+        message.stop_string = reason
+    elif reason is not None:
+        message.stop_token_id = reason
+
+
+def stop_reason_of(message: pb.GenerateChunk | pb.PrefillResponse) -> StopReason:
+    if message.HasField("stop_token_id"):
+        return message.stop_token_id
+    return message.stop_string or None

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.sampling_params import SamplingParams
+from common.wire import StopReason, stop_reason_of
 from protos import pdserve_pb2 as pb
 from services.registry import Role
 
@@ -24,6 +25,7 @@ class Chunk:
     token_ids: list[int]
     logprobs: list[list[tuple[int, float]]]  # per token: (token, logprob), sampled token first
     finish_reason: str | None = None
+    stop_reason: StopReason = None  # with finish_reason "stop": the stop string or token id
     # The prompt's logprobs, on the chunk of the worker that computed the prompt: per prompt
     # token (token, logprob) pairs, the token first; the first token's list is empty.
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
@@ -80,6 +82,7 @@ def chunk_of(message: pb.GenerateChunk, with_logprobs: bool) -> Chunk:
         token_ids=list(message.token_ids),
         logprobs=[entries(lp) for lp in message.logprobs] if with_logprobs else [],
         finish_reason=message.finish_reason or None,
+        stop_reason=stop_reason_of(message),
         prompt_logprobs=prompt_entries(message.prompt_logprobs),
     )
 
@@ -95,5 +98,6 @@ def first_chunk(sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
         token_ids=[answer.first_token],
         logprobs=[entries(answer.logprobs)] if sub.params.logprobs is not None else [],
         finish_reason=answer.finish_reason or None,
+        stop_reason=stop_reason_of(answer),
         prompt_logprobs=prompt_entries(answer.prompt_logprobs),
     )

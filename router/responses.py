@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from common.wire import StopReason
 from router.tool_output import ToolOutput, ToolStream
 from router.worker_calls import Chunk
 from services.engine.tokenizer import Tokenizer
@@ -49,6 +50,7 @@ class Choice:
     text: str = ""
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: StopReason = None  # vLLM's: the stop string or stop token id that ended it
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     started: bool = False  # chat streams open each choice with the assistant role
 
@@ -140,7 +142,7 @@ class ResponseBuilder:
         if prompt is not None and prompt.logprobs is None and chunk.prompt_logprobs:
             prompt.logprobs = chunk.prompt_logprobs
         if self.drop_output:
-            return Chunk(chunk.index, "", [], [], chunk.finish_reason)
+            return Chunk(chunk.index, "", [], [], chunk.finish_reason, chunk.stop_reason)
         return chunk
 
     def add(self, index: int, chunk: Chunk) -> None:
@@ -151,7 +153,7 @@ class ResponseBuilder:
         choice.num_tokens += len(chunk.token_ids)
         choice.logprobs += chunk.logprobs
         if chunk.finish_reason:
-            choice.finish_reason = chunk.finish_reason
+            choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
         self.usage.completion_tokens += len(chunk.token_ids)
 
     # -- streaming -----------------------------------------------------------------------------
@@ -180,7 +182,7 @@ class ResponseBuilder:
                     logprobs = self._echo_logprobs(prompt, chunk.logprobs)
             body = {"index": index, "text": text, "logprobs": logprobs}
             choice.started = True
-            return sse(self._choice_event(body, chunk.finish_reason))
+            return sse(self._choice_event(body, chunk.finish_reason, chunk.stop_reason))
         # Chat streams as OpenAI's do: the role alone first, then content deltas, then an
         # empty delta carrying the finish reason.
         events = []
@@ -202,11 +204,15 @@ class ResponseBuilder:
             events.append(self._choice_event(body, None))
         if finish_reason:
             end = {"index": index, "delta": {}, "logprobs": None}
-            events.append(self._choice_event(end, finish_reason))
+            events.append(self._choice_event(end, finish_reason, chunk.stop_reason))
         return b"".join(sse(e) for e in events) or None
 
-    def _choice_event(self, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def _choice_event(
+        self, body: dict[str, Any], finish_reason: str | None, stop_reason: StopReason = None
+    ) -> dict[str, Any]:
         body["finish_reason"] = finish_reason
+        if finish_reason is not None:  # vLLM's field, with the choice's finish
+            body["stop_reason"] = stop_reason
         return self._envelope([body], streaming=True)
 
     def usage_event(self) -> bytes:
@@ -243,6 +249,7 @@ class ResponseBuilder:
                     else self._logprobs(choice.logprobs)
                 )
             body["finish_reason"] = finish_reason
+            body["stop_reason"] = choice.stop_reason
             if self.kind == "completion" and prompt and self.num_prompt_logprobs is not None:
                 body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
             choices.append(body)

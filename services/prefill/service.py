@@ -31,7 +31,7 @@ from opentelemetry.trace import Span
 
 from common import tracing
 from common.sampling_params import SamplingParams
-from common.wire import logprobs_to_proto, params_from_proto
+from common.wire import logprobs_to_proto, params_from_proto, set_stop_reason
 from kvtransfer.base import KVLayout, block_checksums
 from kvtransfer.source import TensorBlockSource, pin_key
 from protos import pdserve_pb2 as pb
@@ -295,6 +295,7 @@ def _response(final: RequestOutput, seq: Sequence) -> pb.PrefillResponse:
         finish_reason=out.finish_reason or "",
         timings=prefill_timings(seq),
     )
+    set_stop_reason(response, out.stop_reason)
     if out.logprobs:
         response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
     for entry in (final.prompt_logprobs or [None])[1:]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from common.wire import logprobs_to_proto
+from common.wire import logprobs_to_proto, set_stop_reason
 from kvtransfer.base import KVLayout
 from protos import pdserve_pb2 as pb
 from services.engine.outputs import RequestOutput
@@ -27,12 +27,12 @@ def chunks_from_output(
             text=o.text,
             logprobs=[logprobs_to_proto(e) for e in o.logprobs or []],
             finish_reason=o.finish_reason or "",
-            stop_reason="" if o.stop_reason is None else str(o.stop_reason),
             num_prompt_tokens=len(output.prompt_token_ids),
             num_cached_tokens=output.num_cached_tokens,
             kv_source=kv_source,
             prompt_logprobs=prompt_logprobs,
         )
+        set_stop_reason(chunk, o.stop_reason)
         prompt_logprobs = []
         yield chunk
 

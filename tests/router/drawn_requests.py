@@ -245,6 +245,7 @@ class Answer:
     top: list[dict[int, float] | None] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id matched
 
 
 def prompt_ids(llm: Any, drawn: Drawn) -> list[list[int]]:
@@ -276,7 +277,7 @@ def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
     k = drawn.logprobs or 0
     for ids, text, out in zip(prompts, shown, llm.generate(prompts, drawn.params())):
         for o in out.outputs:
-            answer = Answer(text, o.finish_reason)
+            answer = Answer(text, o.finish_reason, stop_reason=o.stop_reason)
             if drawn.num_prompt_logprobs() is not None:
                 answer.prompt_logprobs = out.prompt_logprobs
             if drawn.echo and drawn.logprobs is not None:

@@ -297,6 +297,51 @@ def test_return_tokens_as_token_ids_names_the_offline_engines_tokens(client, llm
     assert all(e.token.startswith("token_id:") for e in chat.choices[0].logprobs.content)
 
 
+def test_stop_reason_names_the_stop_string_or_token_that_ended_each_choice(client, llm):  # type: ignore[no-untyped-def]
+    """vLLM's ``stop_reason``, streamed (on the chunk with the finish) and not: the stop string
+    that matched, or the stop token id; None for the length limit. The token id also when the
+    prefill worker's first token ends the request (its answer carries it: no decode call)."""
+    (free,) = offline(llm, PROMPTS[:1], max_tokens=12)
+    stop = free.text[4:7]  # a stop string the greedy answer runs into
+    first, fifth = free.token_ids[0], free.token_ids[4]
+    cases = [  # (request fields, finish_reason, stop_reason)
+        ({"stop": [stop, "never here"]}, "stop", stop),
+        ({"extra_body": {"stop_token_ids": [fifth]}}, "stop", fifth),
+        ({"extra_body": {"stop_token_ids": [first]}}, "stop", first),  # ended by P's token
+        ({}, "length", None),
+    ]
+    for fields, finish_reason, stop_reason in cases:
+        extra = fields.get("extra_body", {})
+        (want,) = offline(llm, PROMPTS[:1], max_tokens=12, stop=fields.get("stop", []), **extra)
+        assert (want.finish_reason, want.stop_reason) == (finish_reason, stop_reason)
+        for stream in (False, True):
+            response = client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS[0],
+                max_tokens=12,
+                temperature=0,
+                stream=stream,
+                **fields,
+            )
+            chunks = list(response) if stream else [response]
+            ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert len(ends) == 1, chunks
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+            assert ends[0].finish_reason == finish_reason
+            assert (ends[0].model_extra or {})["stop_reason"] == stop_reason, (fields, stream)
+    for stream in (False, True):  # chat too: the answer names Paris within 20 tokens
+        (want,) = offline(llm, [chat_prompt(llm)], max_tokens=20, stop=["Paris"])
+        assert (want.finish_reason, want.stop_reason) == ("stop", "Paris")
+        response = client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=20, temperature=0, stop=["Paris"], stream=stream
+        )
+        chunks = list(response) if stream else [response]
+        ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert [(e.finish_reason, (e.model_extra or {})["stop_reason"]) for e in ends] == [
+            ("stop", "Paris")
+        ]
+
+
 def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
     # The prefill worker's first token is the whole answer: a decode worker called early (the
     # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and

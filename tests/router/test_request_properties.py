@@ -12,7 +12,7 @@ prefill, decode and colocated workers. Hypothesis draws (tests/router/drawn_requ
   JSON object), tools (``none``, ``auto``, ``required``, a named function), streaming.
 
 Each answer, choice by choice, must be the offline engine's for the same prompt tokens and
-sampling parameters: the same text, tool calls, finish reason, token count, tokens and (to
+sampling parameters: the same text, tool calls, finish and stop reason, token count, tokens and (to
 float noise) logprobs of the output and of the prompt. The requests go one at a time, and in
 batches of 2-4 sent at once (a quarter as many), so that different requests share the workers'
 steps.
@@ -158,6 +158,8 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
             answer = answers[choice.index]
             answer.text = (choice.message.content if drawn.chat else choice.text) or ""
             answer.finish_reason = choice.finish_reason
+            assert "stop_reason" in (choice.model_extra or {}), choice
+            answer.stop_reason = choice.model_extra["stop_reason"]
             calls = (choice.message.tool_calls or []) if drawn.chat else []
             answer.tool_calls = [(c.function.name, c.function.arguments) for c in calls]
             _read_logprobs(answer, choice.logprobs, drawn.chat)
@@ -177,6 +179,7 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
             if choice.finish_reason:
                 assert answer.finish_reason is None, "finish_reason sent twice"
                 answer.finish_reason = choice.finish_reason
+                answer.stop_reason = (choice.model_extra or {}).get("stop_reason", "missing")
     return answers, completion_tokens
 
 
@@ -217,8 +220,8 @@ def compare(got: Answer, want: Answer, drawn: Drawn) -> None:
 
 def check(drawn: Drawn, got: tuple[list[Answer], int], want: tuple[list[Answer], int]) -> None:
     """The gateway's answer (choices, completion tokens) against the offline engine's."""
-    assert [(a.text, a.finish_reason, a.tool_calls) for a in got[0]] == [
-        (a.text, a.finish_reason, a.tool_calls) for a in want[0]
+    assert [(a.text, a.finish_reason, a.stop_reason, a.tool_calls) for a in got[0]] == [
+        (a.text, a.finish_reason, a.stop_reason, a.tool_calls) for a in want[0]
     ]
     assert got[1] == want[1]
     for g, w in zip(got[0], want[0]):
