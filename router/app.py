@@ -220,6 +220,7 @@ def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBui
     )
     builder.usage.prompt_tokens = sum(len(s.prompt_token_ids) for s in subs)
     builder.tokens_as_ids = body.return_tokens_as_token_ids
+    builder.return_token_ids = bool(body.return_token_ids)
     _expect_prompts(builder, subs, body)
     return builder
 

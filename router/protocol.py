@@ -179,6 +179,7 @@ class _SamplingFields(BaseModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids too
     # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 

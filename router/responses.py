@@ -49,6 +49,7 @@ class Choice:
 
     text: str = ""
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: StopReason = None  # vLLM's: the stop string or stop token id that ended it
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -101,6 +102,7 @@ class ResponseBuilder:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage  # every chunk: the usage so far (vLLM's)
         self.tokens_as_ids = False  # logprobs name tokens "token_id:<id>" (vLLM's option)
+        self.return_token_ids = False  # vLLM's: the prompt's and each choice's token ids
         self.choices = [Choice() for _ in range(num_choices)]
         self.usage = Usage()
         self._object = "text_completion" if kind == "completion" else "chat.completion"
@@ -151,6 +153,7 @@ class ResponseBuilder:
         choice = self.choices[index]
         choice.text += chunk.text
         choice.num_tokens += len(chunk.token_ids)
+        choice.token_ids += chunk.token_ids
         choice.logprobs += chunk.logprobs
         if chunk.finish_reason:
             choice.finish_reason, choice.stop_reason = chunk.finish_reason, chunk.stop_reason
@@ -164,7 +167,10 @@ class ResponseBuilder:
         offset = len(choice.text)
         chunk = self._take(index, chunk)
         self.add(index, chunk)
-        if not (chunk.text or chunk.finish_reason or chunk.logprobs or not choice.started):
+        tokens = chunk.token_ids if self.return_token_ids else []
+        if not (
+            chunk.text or chunk.finish_reason or chunk.logprobs or tokens or not choice.started
+        ):
             return None
         logprobs = None
         if self.with_logprobs and chunk.logprobs:
@@ -181,6 +187,11 @@ class ResponseBuilder:
                 if self.with_logprobs:
                     logprobs = self._echo_logprobs(prompt, chunk.logprobs)
             body = {"index": index, "text": text, "logprobs": logprobs}
+            if self.return_token_ids:  # vLLM's: the prompt's with the choice's first event
+                own = self._prompt_of(index)
+                if own is not None and not choice.started:
+                    body["prompt_token_ids"] = own.token_ids
+                body["token_ids"] = tokens
             choice.started = True
             return sse(self._choice_event(body, chunk.finish_reason, chunk.stop_reason))
         # Chat streams as OpenAI's do: the role alone first, then content deltas, then an
@@ -190,6 +201,8 @@ class ResponseBuilder:
             choice.started = True
             role = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
             events.append(self._choice_event(role, None))
+            if self.return_token_ids and self.prompts:  # vLLM's: on each choice's first chunk
+                events[-1]["prompt_token_ids"] = self.prompts[0].token_ids
         deltas: list[dict[str, Any]] = [{"content": chunk.text}] if chunk.text or logprobs else []
         finish_reason = chunk.finish_reason
         if self._tool_streams:  # tool calls: the text goes through the choice's ToolStream
@@ -197,13 +210,17 @@ class ResponseBuilder:
             if finish_reason:
                 last, finish_reason = self._tool_streams[index].finish(finish_reason)
                 deltas += last
-            if logprobs and not deltas:
-                deltas = [{}]
+        if (logprobs or tokens) and not deltas:
+            deltas = [{}]
         for j, delta in enumerate(deltas):
             body = {"index": index, "delta": delta, "logprobs": logprobs if j == 0 else None}
+            if self.return_token_ids:  # each of the chunk's tokens once, in its first event
+                body["token_ids"] = tokens if j == 0 else []
             events.append(self._choice_event(body, None))
         if finish_reason:
             end = {"index": index, "delta": {}, "logprobs": None}
+            if self.return_token_ids:
+                end["token_ids"] = []
             events.append(self._choice_event(end, finish_reason, chunk.stop_reason))
         return b"".join(sse(e) for e in events) or None
 
@@ -250,12 +267,18 @@ class ResponseBuilder:
                 )
             body["finish_reason"] = finish_reason
             body["stop_reason"] = choice.stop_reason
+            if self.return_token_ids:  # vLLM's; chat has the prompt's at the top level
+                body["token_ids"] = choice.token_ids
+                if self.kind == "completion" and prompt is not None:
+                    body["prompt_token_ids"] = prompt.token_ids
             if self.kind == "completion" and prompt and self.num_prompt_logprobs is not None:
                 body["prompt_logprobs"] = self._vllm_prompt_logprobs(prompt)
             choices.append(body)
         payload = self._envelope(choices, streaming=False)
         if self.kind == "chat" and self.prompts and self.num_prompt_logprobs is not None:
             payload["prompt_logprobs"] = self._vllm_prompt_logprobs(self.prompts[0])
+        if self.kind == "chat" and self.prompts and self.return_token_ids:
+            payload["prompt_token_ids"] = self.prompts[0].token_ids
         payload["usage"] = self.usage.to_dict()
         return payload
 

@@ -90,6 +90,7 @@ class Drawn:
     echo: bool = False  # completions: the prompt before the output (its logprobs too)
     prompt_logprobs: int | None = None  # vLLM's; never streamed
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: exact top alternatives
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the choices' token ids
     tool_choice: str | None = None  # chat: one of TOOL_CHOICES (a name: that function)
     parallel_tool_calls: bool | None = None
 
@@ -160,6 +161,7 @@ class Drawn:
             "stop_token_ids": self.stop_token_ids,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "return_tokens_as_token_ids": self.tokens_as_ids,
+            "return_token_ids": self.token_ids,
         }
         if self.structured is not None:
             fields["structured_outputs"] = STRUCTURED[self.structured][0]
@@ -226,6 +228,7 @@ def requests(draw: st.DrawFn) -> Drawn:
         echo=echo,
         prompt_logprobs=None if stream else draw(st.sampled_from([None, None, 0, 3])),
         tokens_as_ids=draw(st.booleans()),
+        token_ids=draw(st.booleans()),
         tool_choice=tool_choice,
         parallel_tool_calls=draw(st.sampled_from([None, True, False])) if tool_choice else None,
     )
@@ -246,6 +249,8 @@ class Answer:
     tokens: list[int] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id matched
+    token_ids: list[int] | None = None  # with return_token_ids: the generated tokens
+    prompt_token_ids: list[int] | None = None  # and the prompt's
 
 
 def prompt_ids(llm: Any, drawn: Drawn) -> list[list[int]]:
@@ -278,6 +283,9 @@ def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
     for ids, text, out in zip(prompts, shown, llm.generate(prompts, drawn.params())):
         for o in out.outputs:
             answer = Answer(text, o.finish_reason, stop_reason=o.stop_reason)
+            if drawn.token_ids:
+                answer.prompt_token_ids = ids
+                answer.token_ids = list(o.token_ids) if drawn.max_tokens > 0 else []
             if drawn.num_prompt_logprobs() is not None:
                 answer.prompt_logprobs = out.prompt_logprobs
             if drawn.echo and drawn.logprobs is not None:

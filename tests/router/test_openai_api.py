@@ -342,6 +342,59 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_each_choice(clien
         ]
 
 
+def test_return_token_ids_gives_the_prompts_and_the_offline_engines_tokens(client, llm):  # type: ignore[no-untyped-def]
+    """vLLM's ``return_token_ids``, streamed and not: each completion choice's
+    ``prompt_token_ids`` (streamed: on its first chunk) and ``token_ids`` (streamed: each chunk's
+    own, adding up); on chat the prompt's at the top level. Not asked for, none of them."""
+    tokenizer = llm.get_tokenizer()
+    expected = offline(llm, PROMPTS, max_tokens=8)
+    for stream in (False, True):
+        response = client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS,
+            max_tokens=8,
+            temperature=0,
+            stream=stream,
+            extra_body={"return_token_ids": True},
+        )
+        chunks = list(response) if stream else [response]
+        got: dict[int, list[int]] = {}
+        prompts: dict[int, list[list[int]]] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                extra = choice.model_extra or {}
+                got[choice.index] = got.get(choice.index, []) + extra["token_ids"]
+                if "prompt_token_ids" in extra:
+                    prompts.setdefault(choice.index, []).append(extra["prompt_token_ids"])
+        assert got == {i: list(e.token_ids) for i, e in enumerate(expected)}, stream
+        assert prompts == {i: [tokenizer.encode(p)] for i, p in enumerate(PROMPTS)}, stream
+    prompt_ids = tokenizer.encode(chat_prompt(llm), add_special_tokens=False)
+    (want,) = offline(llm, [chat_prompt(llm)], max_tokens=8)
+    for stream in (False, True):
+        response = client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=8,
+            temperature=0,
+            stream=stream,
+            extra_body={"return_token_ids": True},
+        )
+        chunks = list(response) if stream else [response]
+        tops = [
+            c.model_extra["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c.model_extra
+        ]
+        assert tops == [prompt_ids], stream
+        tokens = [
+            t
+            for c in chunks
+            for choice in c.choices
+            for t in choice.model_extra.get("token_ids", [])
+        ]
+        assert tokens == list(want.token_ids), stream
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    assert not {"token_ids", "prompt_token_ids"} & set(plain.choices[0].model_extra or {})
+
+
 def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):  # type: ignore[no-untyped-def]
     # The prefill worker's first token is the whole answer: a decode worker called early (the
     # streamed hand-off calls it while the prompt computes) would pull the KV for nothing and

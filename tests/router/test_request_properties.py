@@ -8,14 +8,15 @@ prefill, decode and colocated workers. Hypothesis draws (tests/router/drawn_requ
   ``min_tokens``, ``ignore_eos``, stop strings (kept in the output or not) and stop token ids,
   penalties, ``logit_bias``;
 - output: logprobs and their top alternatives (named by id or by text), ``echo`` (also with
-  ``max_tokens`` 0), vLLM's ``prompt_logprobs``, a structured output (a choice, a regex, any
-  JSON object), tools (``none``, ``auto``, ``required``, a named function), streaming.
+  ``max_tokens`` 0), vLLM's ``prompt_logprobs`` and ``return_token_ids``, a structured output
+  (a choice, a regex, any JSON object), tools (``none``, ``auto``, ``required``, a named
+  function), streaming.
 
 Each answer, choice by choice, must be the offline engine's for the same prompt tokens and
-sampling parameters: the same text, tool calls, finish and stop reason, token count, tokens and (to
-float noise) logprobs of the output and of the prompt. The requests go one at a time, and in
-batches of 2-4 sent at once (a quarter as many), so that different requests share the workers'
-steps.
+sampling parameters: the same text, tool calls, finish and stop reason, token count, token ids
+and (to float noise) logprobs of the output and of the prompt. The requests go one at a time,
+and in batches of 2-4 sent at once (a quarter as many), so that different requests share the
+workers' steps.
 
 ``PDSERVE_PROPERTY_EXAMPLES`` sets how many requests (default 16, to keep ``make test`` short).
 The examples change every hour (the seed is the hour, as in test_openai_api's residue sample), so
@@ -154,8 +155,12 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
     answers = [Answer() for _ in range(drawn.n * drawn.num_prompts)]
     if not drawn.stream:
         shared = (response.model_extra or {}).get("prompt_logprobs")  # chat: top level
+        prompt_ids = (response.model_extra or {}).get("prompt_token_ids")  # chat: top level
         for choice in response.choices:
             answer = answers[choice.index]
+            extra = choice.model_extra or {}
+            answer.token_ids = extra.get("token_ids")
+            answer.prompt_token_ids = prompt_ids if drawn.chat else extra.get("prompt_token_ids")
             answer.text = (choice.message.content if drawn.chat else choice.text) or ""
             answer.finish_reason = choice.finish_reason
             assert "stop_reason" in (choice.model_extra or {}), choice
@@ -172,6 +177,12 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
             completion_tokens = chunk.usage.completion_tokens
         for choice in chunk.choices:
             answer = answers[choice.index]
+            extra = {**(chunk.model_extra or {}), **(choice.model_extra or {})}
+            if "token_ids" in extra:
+                answer.token_ids = (answer.token_ids or []) + extra["token_ids"]
+            if "prompt_token_ids" in extra:
+                assert answer.prompt_token_ids is None, "prompt_token_ids sent twice"
+                answer.prompt_token_ids = extra["prompt_token_ids"]
             answer.text += (choice.delta.content or "") if drawn.chat else choice.text
             for call in (choice.delta.tool_calls or []) if drawn.chat else []:
                 _add_call_delta(answer, call)
@@ -222,6 +233,9 @@ def check(drawn: Drawn, got: tuple[list[Answer], int], want: tuple[list[Answer],
     """The gateway's answer (choices, completion tokens) against the offline engine's."""
     assert [(a.text, a.finish_reason, a.stop_reason, a.tool_calls) for a in got[0]] == [
         (a.text, a.finish_reason, a.stop_reason, a.tool_calls) for a in want[0]
+    ]
+    assert [(a.token_ids, a.prompt_token_ids) for a in got[0]] == [
+        (a.token_ids, a.prompt_token_ids) for a in want[0]
     ]
     assert got[1] == want[1]
     for g, w in zip(got[0], want[0]):
