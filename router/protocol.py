@@ -73,6 +73,11 @@ _VLLM_NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
         "where each prompt is computed (--disaggregation)",
     ),
     "vllm_xargs": ((), "vllm_xargs are not supported"),
+    "logprob_token_ids": (([],), "logprob_token_ids is not supported; top_logprobs is"),
+    "repetition_detection": ((), "repetition_detection is not supported"),
+    "watermarking": ((False,), "watermarking is not supported"),
+    "thinking_token_budget": ((), "thinking_token_budget is not supported (no reasoning parser)"),
+    "ec_transfer_params": (({},), "ec_transfer_params is not taken: only text models are served"),
     **{
         f"guided_{kind}": ((), f"guided_{kind} was removed in vLLM v0.12; use structured_outputs")
         for kind in ("json", "regex", "choice", "grammar", "decoding_backend", "whitespace_pattern")
@@ -86,6 +91,11 @@ _VLLM_CHAT_NOT_HONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "documents": ((), "documents are not supported"),
     "mm_processor_kwargs": ((), "mm_processor_kwargs: only text models are served"),
+    "return_prompt_text": (
+        (False,),
+        "return_prompt_text is not supported; POST /tokenize with the messages gives the "
+        "prompt's tokens",
+    ),
 }
 # Variables the router gives every chat template: chat_template_kwargs cannot replace them.
 _TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")

@@ -28,6 +28,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from router.protocol import _VLLM_CHAT_NOT_HONOURED, _VLLM_NOT_HONOURED
 from tests.router.cluster import (
     MODEL,
     Cluster,
@@ -230,6 +231,16 @@ CASES = [
         body=chat(priority=3), path=CHAT_PATH),
     row("kv_transfer_params", "main", 400, "kv_transfer_params", "--disaggregation",
         body=completion(kv_transfer_params={"do_remote_decode": True})),
+    row("logprob_token_ids", "main", 400, "logprob_token_ids", "top_logprobs is",
+        body=chat(logprobs=True, logprob_token_ids=[5, 7]), path=CHAT_PATH),
+    row("repetition_detection", "main", 400, "repetition_detection", "not supported",
+        body=completion(repetition_detection={"max_pattern_size": 8})),
+    row("watermarking", "main", 400, "watermarking", "not supported",
+        body=completion(watermarking=True)),
+    row("thinking_token_budget", "main", 400, "thinking_token_budget", "reasoning parser",
+        body=chat(thinking_token_budget=64), path=CHAT_PATH),
+    row("return_prompt_text", "main", 400, "return_prompt_text", "/tokenize",
+        body=chat(return_prompt_text=True), path=CHAT_PATH),
     row("chat-echo", "main", 400, "echo", "not supported on chat", body=chat(echo=True),
         path=CHAT_PATH),
     row("chat-own-template", "main", 400, "chat_template", "--chat-template",
@@ -420,6 +431,20 @@ def test_bad_input(stack: Stack, http: httpx.Client, case: Case) -> None:
         assert int(response.headers["retry-after"]) >= 1, response.headers
     else:
         assert "retry-after" not in response.headers, response.headers
+
+
+def test_the_neutral_values_of_vllms_fields_pass(stack: Stack, http: httpx.Client) -> None:
+    """A client written for ``vllm serve`` may send every field vLLM takes at the value that
+    asks nothing (``use_beam_search: false``, ``priority: 0``, ``logprob_token_ids: []``...):
+    answered, not refused. Each table row's neutral values, and null."""
+    for path, body, table in [
+        ("/v1/completions", COMPLETION, _VLLM_NOT_HONOURED),
+        (CHAT_PATH, CHAT, {**_VLLM_NOT_HONOURED, **_VLLM_CHAT_NOT_HONOURED}),
+    ]:
+        for name, (neutral, _) in table.items():
+            for value in (*neutral, None):
+                response = http.post(stack.main.url + path, json={**body, name: value})
+                assert response.status_code == 200, (path, name, value, response.text)
 
 
 def test_api_key_accepted(stack: Stack, http: httpx.Client) -> None:
