@@ -37,7 +37,14 @@ from router.worker_calls import SubRequest
 log = logging.getLogger("pdserve.access")
 HEADER = b"x-request-id"
 ENTRY = "access_entry"  # scope["state"] key of the request's AccessEntry
-QUIET = {"/health", "/ready", "/metrics", "/v1/workers"}  # probes and scrapes: no line
+QUIET = {
+    "/health",
+    "/ping",
+    "/ready",
+    "/version",
+    "/metrics",
+    "/v1/workers",
+}  # probes and scrapes: no line
 _USABLE_ID = re.compile(rb"[A-Za-z0-9._:-]{1,128}")
 _PLAIN = re.compile(r"[^\s\"=]+")
 

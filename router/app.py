@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from dataclasses import asdict, dataclass
+from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -146,6 +147,14 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) liveness probe
+    async def ping() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/version")  # as vLLM's: the serving software's version
+    async def version() -> dict[str, str]:
+        return {"version": package_version("pdserve")}
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -36,10 +36,13 @@ ENDPOINTS = {
     "/tokenize",
     "/detokenize",
     "/health",
+    "/ping",
     "/ready",
+    "/version",
     "/metrics",
 }
-PROBES = {"/health", "/ready", "/v1/workers", "/metrics"}  # not counted as client requests
+# not counted as client requests (/ping and /version: vLLM's, for the probes written for it)
+PROBES = {"/health", "/ping", "/ready", "/version", "/v1/workers", "/metrics"}
 LARGE_BODY_BYTES = 256 << 10  # bodies larger than this are parsed one at a time (_ParseGate)
 PARSE_WAIT_SECONDS = 30.0  # a large body waits this long for its turn, then gets 503
 PARSED = "release_parse_gate"  # scope["state"] key: the handler calls it once the body is parsed

@@ -20,6 +20,7 @@ SECTIONS = {  # doc section -> the components that export its metrics
     "Prefill (and colocated) workers": {"prefill", "colocated"},
     "Decode (and colocated) workers": {"decode", "colocated"},
 }
+PROBES = ("/health", "/ping", "/ready", "/version", "/v1/workers", "/metrics")
 
 
 def documented() -> dict[str, dict[str, str]]:
@@ -56,7 +57,7 @@ def scrapes(redis_server) -> dict[str, tuple[dict[str, str], str]]:  # type: ign
         c.workers += colocated.workers
         router = c.add_router("--ttft-slo-seconds", "1", "--itl-slo-seconds", "0.1")
         router.wait_ready(num_workers=2)
-        for path in ("/health", "/ready", "/v1/workers", "/metrics"):
+        for path in PROBES:
             router.get(path)
         client = router.client()
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
@@ -83,7 +84,7 @@ def test_probes_are_not_counted_as_requests(scrapes) -> None:  # type: ignore[no
     _, text = scrapes["router"]
     counted = re.findall(r'^pdserve_router_requests_total\{endpoint="([^"]+)"', text, re.MULTILINE)
     assert "/v1/completions" in counted
-    assert not {"/health", "/ready", "/v1/workers", "/metrics"} & set(counted)
+    assert not set(PROBES) & set(counted)
 
 
 def step_counts(text: str) -> dict[str, float]:

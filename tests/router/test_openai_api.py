@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from importlib.metadata import version as package_version
 
 import httpx
 import pytest
@@ -429,6 +430,8 @@ def test_models_workers_and_metrics(disagg, client):  # type: ignore[no-untyped-
             assert key in row
     assert rows["prefill"]["fingerprint"]["key"] == rows["decode"]["fingerprint"]["key"]
     assert router.get("/health") == (200, {"status": "ok"})
+    assert router.get("/ping") == (200, {"status": "ok"})  # vLLM's probes
+    assert router.get("/version") == (200, {"version": package_version("pdserve")})
     assert router.get("/ready") == (200, {"status": "ready"})
     labels = 'endpoint="/v1/completions",status="200"'
     assert router.metric("pdserve_router_requests_total", labels) >= 1
