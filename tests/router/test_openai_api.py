@@ -416,6 +416,7 @@ def test_a_one_token_request_never_calls_the_decode_worker(disagg, client, llm):
 
 def test_models_workers_and_metrics(disagg, client):  # type: ignore[no-untyped-def]
     c, router = disagg
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)  # counted below
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, body = router.get("/v1/workers")
     assert status == 200
