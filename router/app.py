@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import AbstractAsyncContextManager, aclosing, asynccontextmanager
 from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as package_version
 from typing import Any, TypeVar
 
@@ -154,7 +155,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/version")  # as vLLM's: the serving software's version
     async def version() -> dict[str, str]:
-        return {"version": package_version("pdserve")}
+        return {"version": _installed_version()}
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
@@ -380,6 +381,13 @@ GRAMMAR_DEAD_END = (
     "so far its grammar allows no token (the next character needs a byte no token of the model "
     "holds, such as some control characters or unassigned code points)"
 )
+
+
+def _installed_version() -> str:
+    try:
+        return package_version("pdserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 class _ClientLeft(Exception):
