@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import time
 from importlib.metadata import version as package_version
+from typing import Any
 
 import httpx
 import pytest
@@ -348,16 +349,11 @@ def test_return_token_ids_gives_the_prompts_and_the_offline_engines_tokens(clien
     ``prompt_token_ids`` (streamed: on its first chunk) and ``token_ids`` (streamed: each chunk's
     own, adding up); on chat the prompt's at the top level. Not asked for, none of them."""
     tokenizer = llm.get_tokenizer()
+    asked: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "temperature": 0}
+    asked["extra_body"] = {"return_token_ids": True}
     expected = offline(llm, PROMPTS, max_tokens=8)
     for stream in (False, True):
-        response = client.completions.create(
-            model=MODEL,
-            prompt=PROMPTS,
-            max_tokens=8,
-            temperature=0,
-            stream=stream,
-            extra_body={"return_token_ids": True},
-        )
+        response = client.completions.create(prompt=PROMPTS, stream=stream, **asked)
         chunks = list(response) if stream else [response]
         got: dict[int, list[int]] = {}
         prompts: dict[int, list[list[int]]] = {}
@@ -372,14 +368,7 @@ def test_return_token_ids_gives_the_prompts_and_the_offline_engines_tokens(clien
     prompt_ids = tokenizer.encode(chat_prompt(llm), add_special_tokens=False)
     (want,) = offline(llm, [chat_prompt(llm)], max_tokens=8)
     for stream in (False, True):
-        response = client.chat.completions.create(
-            model=MODEL,
-            messages=CHAT,
-            max_tokens=8,
-            temperature=0,
-            stream=stream,
-            extra_body={"return_token_ids": True},
-        )
+        response = client.chat.completions.create(messages=CHAT, stream=stream, **asked)
         chunks = list(response) if stream else [response]
         tops = [
             c.model_extra["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c.model_extra
