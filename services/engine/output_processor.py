@@ -75,6 +75,10 @@ class OutputProcessor:
     ) -> tuple[FinishReason, str | int | None] | None:
         """Account for ``seq``'s newest token; (finish reason, stop reason) if it ends ``seq``."""
         state = request.texts[seq.seq_id]
+        stopped = check_stop_token(seq, self.tokenizer.eos_token_ids, self.max_model_len)
+        if stopped is not None and stopped[0] is FinishReason.STOP:
+            if not request.params.include_stop_str_in_output:
+                return stopped  # vLLM's rule: the EOS or stop token that ends it is not text
         text = state.held + state.detokenizer.add(seq.token_ids[-1])
         stops = request.params.stop
         if seq.num_output_tokens < request.params.min_tokens:  # vLLM's min_tokens: nothing stops
@@ -88,7 +92,6 @@ class OutputProcessor:
                 state.new_text.append(text[:index])
                 state.held = ""
                 return FinishReason.STOP, stop
-        stopped = check_stop_token(seq, self.tokenizer.eos_token_ids, self.max_model_len)
         held = 0 if stopped is not None else num_held_back(text, stops)
         state.new_text.append(text[: len(text) - held])
         state.held = text[len(text) - held :]

@@ -128,6 +128,45 @@ def test_stop_token_id_ends_generation(engine_llm, reference):
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
 
 
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("include_stop_str_in_output", [False, True])
+def test_the_token_that_stops_a_sequence_is_text_only_when_asked(
+    engine_llm, reference, skip_special_tokens, include_stop_str_in_output
+):
+    """vLLM's rule (its detokenizer's ``stop_terminated``): the EOS or stop token id that ends a
+    sequence stays in its token ids but not in its text, unless include_stop_str_in_output.
+    Checked with a stop id that is a plain word and with EOS forced by logit_bias, which only
+    shows as text (``<|im_end|>``) when special tokens are not skipped."""
+    tokenizer = engine_llm.get_tokenizer()
+    [eos] = tokenizer.eos_token_ids
+    stop_id = reference[1][5]
+    first = reference[1].index(stop_id)
+    options = dict(
+        temperature=0,
+        max_tokens=24,
+        skip_special_tokens=skip_special_tokens,
+        include_stop_str_in_output=include_stop_str_in_output,
+    )
+    by_id, by_eos = engine_llm.generate(
+        [PROMPTS[1], PROMPTS[2]],
+        [
+            SamplingParams(stop_token_ids=[stop_id], **options),
+            SamplingParams(min_tokens=3, logit_bias={eos: 100.0}, **options),
+        ],
+    )
+    shown = first + 1 if include_stop_str_in_output else first
+    assert by_id.outputs[0].token_ids == reference[1][: first + 1]
+    assert by_id.outputs[0].text == tokenizer.decode(reference[1][:shown], skip_special_tokens)
+    eos_out = by_eos.outputs[0]
+    assert eos_out.token_ids[-1] == eos and len(eos_out.token_ids) == 4
+    assert (eos_out.finish_reason, eos_out.stop_reason) == ("stop", None)
+    shown_ids = eos_out.token_ids if include_stop_str_in_output else eos_out.token_ids[:-1]
+    assert eos_out.text == tokenizer.decode(shown_ids, skip_special_tokens)
+    assert eos_out.text.endswith("<|im_end|>") == (
+        include_stop_str_in_output and not skip_special_tokens
+    )
+
+
 def test_max_tokens_and_ignore_eos(engine_llm):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     [out] = engine_llm.generate(PROMPTS[6], params)
