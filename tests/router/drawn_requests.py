@@ -93,6 +93,9 @@ class Drawn:
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and the choices' token ids
     tool_choice: str | None = None  # chat: one of TOOL_CHOICES (a name: that function)
     parallel_tool_calls: bool | None = None
+    skip_special_tokens: bool = True  # False: special tokens (forced by logit_bias) in the text
+    cache_salt: str | None = None  # vLLM's prefix-cache tenant: the answer must not change
+    continuous_usage: bool = False  # streamed: the usage so far on every chunk
 
     @property
     def chat(self) -> bool:
@@ -143,6 +146,7 @@ class Drawn:
             structured=self.structured_output(),
             logit_bias=dict(self.logit_bias),
             prompt_logprobs=self.num_prompt_logprobs(),
+            skip_special_tokens=True,
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -162,7 +166,10 @@ class Drawn:
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "return_tokens_as_token_ids": self.tokens_as_ids,
             "return_token_ids": self.token_ids,
+            "skip_special_tokens": self.skip_special_tokens,
         }
+        if self.cache_salt is not None:
+            fields["cache_salt"] = self.cache_salt
         if self.structured is not None:
             fields["structured_outputs"] = STRUCTURED[self.structured][0]
         if self.prompt_logprobs is not None:
@@ -231,6 +238,9 @@ def requests(draw: st.DrawFn) -> Drawn:
         token_ids=draw(st.booleans()),
         tool_choice=tool_choice,
         parallel_tool_calls=draw(st.sampled_from([None, True, False])) if tool_choice else None,
+        skip_special_tokens=draw(st.booleans()),
+        cache_salt=draw(st.sampled_from([None, None, "tenant-a", "tenant-b"])),
+        continuous_usage=stream and draw(st.booleans()),
     )
 
 
@@ -270,8 +280,12 @@ def _top(entry: dict[int, float], k: int) -> dict[int, float]:
     return dict(sorted(entry.items(), key=lambda item: -item[1])[:k])
 
 
-def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
-    """The offline engine's choices (choice p * n + i: prompt p's i-th) and completion tokens."""
+Usage = tuple[int, int]  # (prompt tokens, completion tokens)
+
+
+def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], Usage]:
+    """The offline engine's choices (choice p * n + i: prompt p's i-th) and its usage (each
+    prompt counted once, whatever ``n``, as vLLM counts it)."""
     tokenizer = llm.get_tokenizer()
     prompts = prompt_ids(llm, drawn)
     shown = [
@@ -301,7 +315,7 @@ def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], int]:
                 answer.top += [_top(e, k) for e in generated]
                 answer.tokens += o.token_ids if generated else []
             answers.append(_as_calls(answer, drawn, tokenizer.chat_template))
-    return answers, num_tokens
+    return answers, (sum(len(ids) for ids in prompts), num_tokens)
 
 
 def _as_calls(answer: Answer, drawn: Drawn, chat_template: str | None) -> Answer:

@@ -8,12 +8,14 @@ prefill, decode and colocated workers. Hypothesis draws (tests/router/drawn_requ
   ``min_tokens``, ``ignore_eos``, stop strings (kept in the output or not) and stop token ids,
   penalties, ``logit_bias``;
 - output: logprobs and their top alternatives (named by id or by text), ``echo`` (also with
-  ``max_tokens`` 0), vLLM's ``prompt_logprobs`` and ``return_token_ids``, a structured output
-  (a choice, a regex, any JSON object), tools (``none``, ``auto``, ``required``, a named
-  function), streaming.
+  ``max_tokens`` 0), vLLM's ``prompt_logprobs``, ``return_token_ids`` and
+  ``skip_special_tokens``, a structured output (a choice, a regex, any JSON object), tools
+  (``none``, ``auto``, ``required``, a named function), streaming (with the usage at the end or
+  on every chunk);
+- vLLM's ``cache_salt`` (a tenant's own prefix cache), which must not change an answer.
 
 Each answer, choice by choice, must be the offline engine's for the same prompt tokens and
-sampling parameters: the same text, tool calls, finish and stop reason, token count, token ids
+sampling parameters: the same text, tool calls, finish and stop reason, usage, token ids
 and (to float noise) logprobs of the output and of the prompt. The requests go one at a time,
 and in batches of 2-4 sent at once (a quarter as many), so that different requests share the
 workers' steps.
@@ -45,7 +47,7 @@ from tests.router.cluster import (
     own_routers,
     wait_until,
 )
-from tests.router.drawn_requests import TOOLS, Answer, Drawn, expected, requests
+from tests.router.drawn_requests import TOOLS, Answer, Drawn, Usage, expected, requests
 
 EXAMPLES = int(os.environ.get("PDSERVE_PROPERTY_EXAMPLES", "16"))
 SEED = int(os.environ.get("PDSERVE_PROPERTY_SEED", int(time.time()) // 3600))
@@ -90,7 +92,10 @@ def _body(drawn: Drawn) -> dict[str, Any]:
         body["logit_bias"] = {str(t): b for t, b in drawn.logit_bias.items()}
     if drawn.stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        body["stream_options"] = {
+            "include_usage": True,
+            "continuous_usage_stats": drawn.continuous_usage,
+        }
     if drawn.chat:
         body["messages"] = drawn.messages()
         if drawn.tool_choice is not None:
@@ -147,8 +152,9 @@ def _read_prompt_logprobs(entries: list[Any] | None) -> list[dict[int, float] | 
     return [None if e is None else {int(t): v["logprob"] for t, v in e.items()} for e in entries]
 
 
-def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
-    """The gateway's choices (in index order) and its usage's completion tokens."""
+def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], Usage]:
+    """The gateway's choices (in index order) and its usage (streamed: the final one, after
+    checking that a continuous usage never goes down)."""
     client = router.client()
     create = client.chat.completions.create if drawn.chat else client.completions.create
     response = create(**_body(drawn))
@@ -170,11 +176,12 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
             _read_logprobs(answer, choice.logprobs, drawn.chat)
             own = (choice.model_extra or {}).get("prompt_logprobs")
             answer.prompt_logprobs = _read_prompt_logprobs(shared if drawn.chat else own)
-        return answers, response.usage.completion_tokens
-    completion_tokens = -1
+        return answers, (response.usage.prompt_tokens, response.usage.completion_tokens)
+    usage, usages = (-1, -1), 0
     for chunk in response:
         if chunk.usage is not None:
-            completion_tokens = chunk.usage.completion_tokens
+            assert chunk.usage.completion_tokens >= usage[1], "the usage went down"
+            usage, usages = (chunk.usage.prompt_tokens, chunk.usage.completion_tokens), usages + 1
         for choice in chunk.choices:
             answer = answers[choice.index]
             extra = {**(chunk.model_extra or {}), **(choice.model_extra or {})}
@@ -191,7 +198,8 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], int]:
                 assert answer.finish_reason is None, "finish_reason sent twice"
                 answer.finish_reason = choice.finish_reason
                 answer.stop_reason = (choice.model_extra or {}).get("stop_reason", "missing")
-    return answers, completion_tokens
+    assert drawn.continuous_usage or usages == 1, f"{usages} usages without continuous stats"
+    return answers, usage
 
 
 def same_entries(got: dict[int, float] | None, want: dict[int, float] | None) -> None:
@@ -229,8 +237,8 @@ def compare(got: Answer, want: Answer, drawn: Drawn) -> None:
             same_entries(g, w)
 
 
-def check(drawn: Drawn, got: tuple[list[Answer], int], want: tuple[list[Answer], int]) -> None:
-    """The gateway's answer (choices, completion tokens) against the offline engine's."""
+def check(drawn: Drawn, got: tuple[list[Answer], Usage], want: tuple[list[Answer], Usage]) -> None:
+    """The gateway's answer (choices, usage) against the offline engine's."""
     assert [(a.text, a.finish_reason, a.stop_reason, a.tool_calls) for a in got[0]] == [
         (a.text, a.finish_reason, a.stop_reason, a.tool_calls) for a in want[0]
     ]
