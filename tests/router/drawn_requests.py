@@ -146,7 +146,7 @@ class Drawn:
             structured=self.structured_output(),
             logit_bias=dict(self.logit_bias),
             prompt_logprobs=self.num_prompt_logprobs(),
-            skip_special_tokens=True,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
     def messages(self) -> list[dict[str, str]]:
@@ -175,6 +175,55 @@ class Drawn:
         if self.prompt_logprobs is not None:
             fields["prompt_logprobs"] = self.prompt_logprobs
         return fields
+
+    def openai_arguments(self, model: str) -> dict[str, Any]:
+        """The request as the ``openai`` client's arguments (vLLM's in ``extra_body``)."""
+        body: dict[str, Any] = {
+            "model": model,
+            "n": self.n,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_p": self.top_p,
+            "extra_body": self.vllm_fields(),
+        }
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.stop:
+            body["stop"] = self.stop
+        if self.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
+        if self.stream:
+            body["stream"] = True
+            body["stream_options"] = {
+                "include_usage": True,
+                "continuous_usage_stats": self.continuous_usage,
+            }
+        if self.chat:
+            body["messages"] = self.messages()
+            if self.tool_choice is not None:
+                body["tools"] = list(TOOLS)
+                named = self.tool_choice not in ("none", "auto", "required")
+                function = {"type": "function", "function": {"name": self.tool_choice}}
+                body["tool_choice"] = function if named else self.tool_choice
+                if self.parallel_tool_calls is not None:
+                    body["parallel_tool_calls"] = self.parallel_tool_calls
+            if self.logprobs is not None:
+                body["logprobs"] = True
+                body["top_logprobs"] = self.logprobs
+        else:
+            body["prompt"] = self.prompt
+            body["echo"] = self.echo
+            if self.logprobs is not None:
+                body["logprobs"] = self.logprobs
+        return body
+
+    def json_body(self, model: str) -> dict[str, Any]:
+        """The request as JSON on the wire: what the ``openai`` client sends for it."""
+        arguments = self.openai_arguments(model)
+        extra = arguments.pop("extra_body")
+        return {**arguments, **extra}
 
 
 def _text(draw: st.DrawFn, max_words: int) -> str:

@@ -47,7 +47,7 @@ from tests.router.cluster import (
     own_routers,
     wait_until,
 )
-from tests.router.drawn_requests import TOOLS, Answer, Drawn, Usage, expected, requests
+from tests.router.drawn_requests import Answer, Drawn, Usage, expected, requests
 
 EXAMPLES = int(os.environ.get("PDSERVE_PROPERTY_EXAMPLES", "16"))
 SEED = int(os.environ.get("PDSERVE_PROPERTY_SEED", int(time.time()) // 3600))
@@ -71,49 +71,6 @@ def routers(pd_pair: Cluster, redis_server) -> Iterator[dict[str, Router]]:  # t
                 router.wait_ready(num_workers=2)
             yield {**routes, "colocated": colocated}
             assert wait_until(lambda: blocks_in_use(own.workers[0]) == 0)
-
-
-def _body(drawn: Drawn) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": MODEL,
-        "n": drawn.n,
-        "temperature": drawn.temperature,
-        "max_tokens": drawn.max_tokens,
-        "presence_penalty": drawn.presence_penalty,
-        "frequency_penalty": drawn.frequency_penalty,
-        "top_p": drawn.top_p,
-        "extra_body": drawn.vllm_fields(),
-    }
-    if drawn.seed is not None:
-        body["seed"] = drawn.seed
-    if drawn.stop:
-        body["stop"] = drawn.stop
-    if drawn.logit_bias:
-        body["logit_bias"] = {str(t): b for t, b in drawn.logit_bias.items()}
-    if drawn.stream:
-        body["stream"] = True
-        body["stream_options"] = {
-            "include_usage": True,
-            "continuous_usage_stats": drawn.continuous_usage,
-        }
-    if drawn.chat:
-        body["messages"] = drawn.messages()
-        if drawn.tool_choice is not None:
-            body["tools"] = list(TOOLS)
-            named = drawn.tool_choice not in ("none", "auto", "required")
-            function = {"type": "function", "function": {"name": drawn.tool_choice}}
-            body["tool_choice"] = function if named else drawn.tool_choice
-            if drawn.parallel_tool_calls is not None:
-                body["parallel_tool_calls"] = drawn.parallel_tool_calls
-        if drawn.logprobs is not None:
-            body["logprobs"] = True
-            body["top_logprobs"] = drawn.logprobs
-    else:
-        body["prompt"] = drawn.prompt
-        body["echo"] = drawn.echo
-        if drawn.logprobs is not None:
-            body["logprobs"] = drawn.logprobs
-    return body
 
 
 def _id(name: str) -> int:
@@ -157,7 +114,7 @@ def asked(router: Router, drawn: Drawn) -> tuple[list[Answer], Usage]:
     checking that a continuous usage never goes down)."""
     client = router.client()
     create = client.chat.completions.create if drawn.chat else client.completions.create
-    response = create(**_body(drawn))
+    response = create(**drawn.openai_arguments(MODEL))
     answers = [Answer() for _ in range(drawn.n * drawn.num_prompts)]
     if not drawn.stream:
         shared = (response.model_extra or {}).get("prompt_logprobs")  # chat: top level
