@@ -324,6 +324,13 @@ class ResponseBuilder:
         the top ones it is not among)."""
         return sorted(entry, key=lambda item: -item[1])[: self.num_logprobs or 0]
 
+    def _legacy_top(self, entry: list[tuple[int, float]]) -> dict[str, float]:
+        """Completions' ``top_logprobs``: the sampled (or prompt) token and the ``logprobs``
+        most likely ones, up to logprobs + 1 entries, as OpenAI's legacy API and vLLM."""
+        chosen = entry[0][0]
+        top = [entry[0], *(item for item in self._top(entry) if item[0] != chosen)]
+        return {self._token(t): _json_logprob(lp) for t, lp in top}
+
     def _logprobs(self, entries: list[list[tuple[int, float]]], offset: int = 0) -> dict[str, Any]:
         entries = [e for e in entries if e]
         if self.kind == "chat":
@@ -332,7 +339,7 @@ class ResponseBuilder:
         return {
             "tokens": tokens,
             "token_logprobs": [e[0][1] for e in entries],
-            "top_logprobs": [{self._token(t): lp for t, lp in self._top(e)} for e in entries],
+            "top_logprobs": [self._legacy_top(e) for e in entries],
             "text_offset": offsets,
         }
 
@@ -350,7 +357,7 @@ class ResponseBuilder:
         top: list[dict[str, float] | None] = []
         for entry in self._prompt_entries(prompt):
             token_logprobs.append(entry[0][1] if entry else None)
-            top.append({self._token(t): lp for t, lp in self._top(entry)} if entry else None)
+            top.append(self._legacy_top(entry) if entry else None)
         rest = self._logprobs(generated, len(prompt.text))
         return {
             "tokens": tokens + rest["tokens"],
@@ -385,8 +392,15 @@ class ResponseBuilder:
     def _chat_entry(self, entry: list[tuple[int, float]]) -> dict[str, Any]:
         def item(token_id: int, logprob: float) -> dict[str, Any]:
             raw = list(self.tokenizer.token_bytes(token_id))  # a character's part: its bytes
-            return {"token": self._token(token_id), "logprob": logprob, "bytes": raw}
+            token = self._token(token_id)
+            return {"token": token, "logprob": _json_logprob(logprob), "bytes": raw}
 
         first = item(*entry[0])
         first["top_logprobs"] = [item(t, lp) for t, lp in self._top(entry)]
         return first
+
+
+def _json_logprob(logprob: float) -> float:
+    """JSON has no -inf: a token a grammar forbids (among the top alternatives when it allows
+    fewer) shows as -9999.0, as OpenAI's API and vLLM show it."""
+    return max(logprob, -9999.0)

@@ -1,9 +1,13 @@
 """From logits to next tokens, one row per sequence, each with its own SamplingParams.
 
-Order of operations: raw log-probabilities (returned with ``logprobs``) -> repetition, frequency
-and presence penalties -> greedy rows take the argmax -> temperature -> top-k, top-p, min-p ->
-a draw. Draws use the exponential-race trick (argmax of p / Exp(1)), which is equivalent to
-sampling from p and lets a seeded row take its noise from a generator of its own, so its output
+Order of operations: a grammar's mask -> raw log-probabilities (returned with ``logprobs``) ->
+repetition, frequency and presence penalties -> greedy rows take the argmax -> temperature ->
+top-k, top-p, min-p -> a draw. The logprobs are the model's, but for a row with a grammar they
+are over the tokens it allows (the others -inf), as vLLM's: what a ``choice`` of "yes" or "no"
+returns is then the two answers' odds, summing to one.
+
+Draws use the exponential-race trick (argmax of p / Exp(1)), which is equivalent to sampling
+from p and lets a seeded row take its noise from a generator of its own, so its output
 does not depend on what else is in the batch. That noise is counter-based: the generator is
 re-seeded for every draw with ``draw_seed(seed, index, position)`` (the request's seed, the
 sequence's index, its number of output tokens so far), so it does not depend on the draws before
@@ -13,8 +17,8 @@ sequence, all give the same tokens. Unseeded rows share the sampler's generator.
 while a sequence has fewer than ``min_tokens`` output tokens its EOS and stop token ids are
 masked out.
 
-Structured outputs: after the penalties, a row with a grammar has the tokens its grammar forbids
-masked (services/engine/grammar.py), greedy rows included. The masks are computed on a thread of
+Structured outputs: a row with a grammar has the tokens its grammar forbids masked
+(services/engine/grammar.py), greedy rows included. The masks are computed on a thread of
 their own while the model runs (``prepare``, called before the forward pass); a row not prepared
 (an n > 1 fork) is masked at sampling time. A row whose grammar allows no token at all (it
 needs a byte no token of the vocabulary holds) is a dead end: its token is not to be used, and
@@ -153,6 +157,7 @@ class Sampler:
             return SampleResult(self.argmax(logits).tolist(), [None] * len(seqs))
         logits = logits.float().cpu()
         params = [s.params for s in seqs]
+        dead_ends = self._apply_grammars(logits, seqs)  # before the logprobs, as vLLM's
         raw_logprobs = (
             torch.log_softmax(logits, dim=-1)
             if any(p.logprobs is not None for p in params)
@@ -164,7 +169,6 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
-        dead_ends = self._apply_grammars(logits, seqs)
         greedy = torch.tensor([p.is_greedy for p in params])
         tokens = self.argmax(logits)
         if not bool(greedy.all()):

@@ -325,8 +325,13 @@ def prompt_ids(llm: Any, drawn: Drawn) -> list[list[int]]:
     return [p if isinstance(p, list) else tokenizer.encode(p) for p in drawn.prompt]
 
 
-def _top(entry: dict[int, float], k: int) -> dict[int, float]:
-    return dict(sorted(entry.items(), key=lambda item: -item[1])[:k])
+def _top(entry: dict[int, float], k: int, chosen: int | None = None) -> dict[int, float]:
+    """The k most likely alternatives; with ``chosen`` (completions) that token too, as
+    OpenAI's legacy API and vLLM show it. -inf (a token a grammar forbids) as JSON's -9999."""
+    top = dict(sorted(entry.items(), key=lambda item: -item[1])[:k])
+    if chosen is not None:
+        top[chosen] = entry[chosen]
+    return {t: max(lp, -9999.0) for t, lp in top.items()}
 
 
 Usage = tuple[int, int]  # (prompt tokens, completion tokens)
@@ -354,14 +359,15 @@ def expected(llm: Any, drawn: Drawn) -> tuple[list[Answer], Usage]:
             if drawn.echo and drawn.logprobs is not None:
                 entries = out.prompt_logprobs or [None] * len(ids)
                 answer.logprobs += [None if e is None else e[t] for t, e in zip(ids, entries)]
-                answer.top += [None if e is None else _top(e, k) for e in entries]
+                answer.top += [None if e is None else _top(e, k, t) for t, e in zip(ids, entries)]
                 answer.tokens += ids
             if drawn.max_tokens > 0:
                 answer.text += o.text
                 num_tokens += len(o.token_ids)
                 generated = o.logprobs or []
                 answer.logprobs += [e[t] for t, e in zip(o.token_ids, generated)]
-                answer.top += [_top(e, k) for e in generated]
+                chosen = [None if drawn.chat else t for t in o.token_ids]
+                answer.top += [_top(e, k, t) for t, e in zip(chosen, generated)]
                 answer.tokens += o.token_ids if generated else []
             answers.append(_as_calls(answer, drawn, tokenizer.chat_template))
     return answers, (sum(len(ids) for ids in prompts), num_tokens)

@@ -136,7 +136,12 @@ def test_echo_alone_returns_the_prompts_logprobs(routers, hf, route: str) -> Non
     assert choice.logprobs.tokens == [hf[0].decode([t]) for t in ids]
     assert_close(choice.logprobs.token_logprobs, hf_logprobs(hf, ids))
     assert choice.logprobs.top_logprobs[0] is None
-    assert all(len(top) == 1 for top in choice.logprobs.top_logprobs[1:])
+    for token, logprob, top in zip(
+        choice.logprobs.tokens[1:],
+        choice.logprobs.token_logprobs[1:],
+        choice.logprobs.top_logprobs[1:],
+    ):  # the prompt's token and the most likely one (logprobs=1): one entry when they are one
+        assert top[token] == logprob and len(top) == (1 if max(top.values()) == logprob else 2)
     assert choice.finish_reason == "length"
     assert response.usage.completion_tokens == 0
 

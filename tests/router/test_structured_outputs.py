@@ -186,6 +186,39 @@ def test_json_object_choice_and_grammar_streamed(routers):  # type: ignore[no-un
         assert {c.text for c in response.choices} <= allowed
 
 
+@pytest.mark.parametrize("route", ["remote", "local"])
+def test_logprobs_under_a_choice_are_over_what_it_allows(routers, route):  # type: ignore[no-untyped-def]
+    """vLLM's logprobs under a grammar: the model's, over the tokens the grammar allows. Every
+    alternative shown continues a choice (or is EOS after a whole one), the others show as
+    JSON's -9999.0 (not -inf, which JSON cannot carry), and EOS after a whole choice, the only
+    token allowed there, has logprob 0; on the prefill worker's first token and the decode
+    worker's later ones alike."""
+    choices, eos = [" yes", " no"], "<|im_end|>"
+    client = routers[0 if route == "remote" else 1].client()
+    for stream in (False, True):
+        response = client.completions.create(
+            model=MODEL,
+            prompt="Is Paris in France? Answer:",
+            max_tokens=8,
+            temperature=0,
+            logprobs=4,
+            stream=stream,
+            extra_body={"structured_outputs": {"choice": choices}},
+        )
+        chunks = list(response) if stream else [response]
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+        tops = [top for c in chunks for top in c.choices[0].logprobs.top_logprobs]
+        assert "".join(tokens[:-1]) in choices and tokens[-1] == eos, tokens
+        text = ""
+        for token, top in zip(tokens, tops):
+            for alternative, logprob in top.items():
+                if logprob > -9999.0:
+                    allowed = alternative == eos and text in choices
+                    assert allowed or any(c.startswith(text + alternative) for c in choices)
+            text += token
+        assert tops[-1][eos] == 0.0 and set(tops[-1].values()) == {0.0, -9999.0}, tops[-1]
+
+
 @pytest.mark.parametrize(
     "body",
     [
