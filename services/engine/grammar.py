@@ -97,10 +97,17 @@ class Grammars:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, spec: StructuredOutput) -> SequenceMatcher:
+    def matcher(self, spec: StructuredOutput, stop_token_ids: list[int]) -> SequenceMatcher:
+        """A matcher for one sequence. Where the grammar may end it allows EOS and also the
+        request's ``stop_token_ids``, as vLLM's: a user's stop token may close a complete
+        structured output (elsewhere one is allowed only as a character the grammar takes)."""
         import xgrammar as xgr
 
-        return SequenceMatcher(xgr.GrammarMatcher(self.compile(spec)))
+        compiled = self.compile(spec)
+        if not stop_token_ids:
+            return SequenceMatcher(xgr.GrammarMatcher(compiled))
+        stops = sorted(set(self._stop_token_ids) | set(stop_token_ids))
+        return SequenceMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=stops))
 
 
 def _compile(compiler: Any, spec: StructuredOutput) -> Any:

@@ -110,7 +110,8 @@ class Sampler:
             if matcher is None:
                 spec = seq.params.structured
                 assert spec is not None  # only structured sequences come here
-                matcher = self._matchers[seq.seq_id] = self.grammars.matcher(spec)
+                matcher = self.grammars.matcher(spec, seq.params.stop_token_ids)
+                self._matchers[seq.seq_id] = matcher
             matcher.sync(seq.output_token_ids)
             key = (seq.seq_id, seq.num_output_tokens)
             if matcher.fill(bitmask, i):

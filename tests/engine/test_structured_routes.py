@@ -106,6 +106,33 @@ def test_a_grammar_is_compiled_once_per_spec(engines):  # type: ignore[no-untype
     assert engine.grammars.compiles == before + 1
 
 
+@pytest.mark.parametrize("route", ["local", *ROUTES])
+def test_a_stop_token_id_may_close_a_complete_structured_output(engines, route):  # type: ignore[no-untyped-def]
+    """As vLLM's: where the grammar may end it allows the request's stop_token_ids beside EOS.
+    "\n" (biased up, and no character of the choices) cannot come before a choice is whole;
+    after it, it ends the sequence when it is a stop token id, and only EOS can otherwise."""
+    _, engine = engines
+    newline = engine.tokenizer.encode("\n", add_special_tokens=False)
+    spec = StructuredOutput("choice", json.dumps(["yes", "no"]))
+    ids = engine.tokenizer.encode("Is it? Answer:")
+    [eos] = engine.tokenizer.eos_token_ids
+    for stops, last in (([], eos), (newline, newline[0])):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            stop_token_ids=stops,
+            logit_bias={newline[0]: 10.0},
+            structured=spec,
+        )
+        rid = f"stop-closes-{route}-{len(stops)}"
+        if route == "local":
+            (tokens,) = local(engine, rid, ids, params)
+        else:
+            (tokens,) = disaggregated(engines, rid, ids, params, route)
+        assert engine.tokenizer.decode(tokens[:-1]) in ("yes", "no") and tokens[-1] == last
+    assert_no_leaks(engine)
+
+
 @pytest.mark.parametrize(
     "structured",
     [
