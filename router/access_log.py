@@ -2,7 +2,8 @@
 and each request's id.
 
 The id is the client's ``X-Request-Id`` when it sends a usable one (at most 128 characters of
-letters, digits and ``._:-``; else a new one), and every response carries it back in
+letters, digits and ``._:-``; else a new one), or else the body's ``request_id`` (vLLM's field;
+the header wins, as in vLLM; an unusable one is a 400), and every response carries it back in
 ``X-Request-Id``. The id of the request the workers see contains it (``chatcmpl-<id>``, with a
 random suffix when the client chose the id: two clients may choose the same one), so a grep for
 it finds the request's lines in the workers' logs too.
@@ -32,6 +33,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from router.errors import APIError
 from router.worker_calls import SubRequest
 
 log = logging.getLogger("pdserve.access")
@@ -63,6 +65,16 @@ class AccessEntry:
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     first_token: float | None = None  # time.perf_counter() at the first token
+
+    def take_body_id(self, request_id: str | None) -> None:
+        """vLLM's body field ``request_id`` names the request unless the header did."""
+        if request_id is None:
+            return
+        if not _USABLE_ID.fullmatch(request_id.encode()):
+            msg = "request_id must be 1 to 128 letters, digits or any of ._:-"
+            raise APIError(400, msg, param="request_id")
+        if not self.chosen_by_client:
+            self.request_id, self.chosen_by_client = request_id, True
 
     def worker_request_id(self, prefix: str) -> str:
         """The id the workers see (its prompts' ids add ``-<index>``): unique even when the
@@ -115,12 +127,12 @@ class AccessLogMiddleware:
             sent or uuid.uuid4().hex, sent is not None, scope["method"], scope["path"]
         )
         scope.setdefault("state", {})[ENTRY] = entry
-        header = (HEADER, entry.request_id.encode())
         response = {"status": 500, "started": False, "complete": False}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 response["status"], response["started"] = message["status"], True
+                header = (HEADER, entry.request_id.encode())  # the body may have named it
                 message = {**message, "headers": [*message.get("headers", ()), header]}
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 response["complete"] = True

@@ -73,6 +73,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        entry_of(request.scope).take_body_id(body.request_id)
         arrival, client, deadline = _arrival(gateway, request)
         gateway.check_model(body.model)
         body.check_supported()
@@ -99,6 +100,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        entry_of(request.scope).take_body_id(body.request_id)
         arrival, client, deadline = _arrival(gateway, request)
         gateway.check_model(body.model)
         body.check_supported()

@@ -192,6 +192,8 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool | None = None  # the prompt's and each choice's token ids too
     # vLLM's prefix-cache isolation: only requests with the same salt share cached blocks
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    # vLLM's: names the request when no X-Request-Id header does (router.access_log checks it)
+    request_id: StrictStr | None = None
 
     @field_validator("stop")
     @classmethod

@@ -207,3 +207,30 @@ def test_errors_name_the_bodys_cause(stack: Stack, headers, body, message) -> No
         "param": None,
         "code": None,
     }
+
+
+def test_the_bodys_request_id_names_a_request_when_no_header_does(stack: Stack) -> None:
+    """vLLM's body field ``request_id``: it names the request (response header, response id,
+    access line) unless ``X-Request-Id`` does; one that is no usable id is refused."""
+    router, json_type = stack.text, {"Content-Type": "application/json"}
+    named = post(router, "/v1/completions", {**COMPLETION, "request_id": "body-1.a"}, json_type)
+    assert named.status_code == 200, named.text
+    assert named.headers["x-request-id"] == "body-1.a"
+    assert named.json()["id"].startswith("cmpl-body-1.a-")  # a suffix: two may choose one id
+    both = post(
+        router, CHAT_PATH, {**CHAT, "request_id": "body-2"}, {**json_type, "X-Request-Id": "hdr-2"}
+    )
+    assert both.status_code == 200 and both.headers["x-request-id"] == "hdr-2"  # as vLLM's
+    assert both.json()["id"].startswith("chatcmpl-hdr-2-")
+    bad = post(router, CHAT_PATH, {**CHAT, "request_id": "two words"}, json_type)
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "request_id"
+    assert "request_id must be 1 to 128 letters" in bad.json()["error"]["message"]
+    assert GENERATED_ID.fullmatch(bad.headers["x-request-id"])
+
+    def named_lines() -> list[dict[str, Any]]:
+        wanted = ("body-1.a", "hdr-2")
+        return [line for line in access_lines(router, "text") if line["request_id"] in wanted]
+
+    assert wait_until(lambda: len(named_lines()) == 2)
+    assert all(line["status"] == "200" for line in named_lines())
