@@ -89,12 +89,22 @@ def params_to_proto(s: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def logprobs_to_proto(entry: dict[int, float] | None) -> pb.TokenLogprobs:
+def logprobs_to_proto(entry: dict[int, float] | None, rank: int | None = None) -> pb.TokenLogprobs:
+    """One token's logprobs; ``rank``: a prompt token's rank in the vocabulary."""
     if not entry:
         return pb.TokenLogprobs()
     return pb.TokenLogprobs(
-        entries=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items()]
+        entries=[pb.TopLogprob(token_id=t, logprob=v) for t, v in entry.items()], rank=rank or 0
     )
+
+
+def prompt_logprobs_to_proto(
+    entries: list[dict[int, float] | None] | None, ranks: list[int | None] | None
+) -> list[pb.TokenLogprobs]:
+    """An engine output's prompt logprobs (None first) as the wire has them: from the second
+    prompt token on, each with its rank."""
+    ranks = ranks or [None] * len(entries or [])
+    return [logprobs_to_proto(e, r) for e, r in zip((entries or [])[1:], ranks[1:])]
 
 
 def logprobs_from_proto(msg: pb.TokenLogprobs) -> dict[int, float] | None:

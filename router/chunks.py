@@ -29,6 +29,7 @@ class Chunk:
     # The prompt's logprobs, on the chunk of the worker that computed the prompt: per prompt
     # token (token, logprob) pairs, the token first; the first token's list is empty.
     prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_ranks: list[int | None] | None = None  # beside them: each prompt token's rank
 
 
 @dataclass
@@ -53,6 +54,11 @@ def entries(message: pb.TokenLogprobs) -> list[tuple[int, float]]:
 def prompt_entries(messages: Sequence[pb.TokenLogprobs]) -> list[list[tuple[int, float]]] | None:
     """A worker's prompt logprobs (from the second token on), or None when it sent none."""
     return [[], *(entries(m) for m in messages)] if messages else None
+
+
+def prompt_ranks(messages: Sequence[pb.TokenLogprobs]) -> list[int | None] | None:
+    """Beside ``prompt_entries``: each prompt token's rank in the vocabulary (None: not sent)."""
+    return [None, *(m.rank or None for m in messages)] if messages else None
 
 
 def first_message(sub: SubRequest, pool: Role, message: pb.GenerateChunk) -> None:
@@ -84,6 +90,7 @@ def chunk_of(message: pb.GenerateChunk, with_logprobs: bool) -> Chunk:
         finish_reason=message.finish_reason or None,
         stop_reason=stop_reason_of(message),
         prompt_logprobs=prompt_entries(message.prompt_logprobs),
+        prompt_ranks=prompt_ranks(message.prompt_logprobs),
     )
 
 
@@ -100,4 +107,5 @@ def first_chunk(sub: SubRequest, answer: pb.PrefillResponse) -> Chunk:
         finish_reason=answer.finish_reason or None,
         stop_reason=stop_reason_of(answer),
         prompt_logprobs=prompt_entries(answer.prompt_logprobs),
+        prompt_ranks=prompt_ranks(answer.prompt_logprobs),
     )

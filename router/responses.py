@@ -32,6 +32,7 @@ class Prompt:
     token_ids: list[int]
     text: str  # what echo shows (the prompt as sent; token prompts decoded)
     logprobs: list[Entry] | None = None  # filled from the chunk that brings them
+    ranks: list[int | None] | None = None  # beside them: each token's rank in the vocabulary
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -142,7 +143,7 @@ class ResponseBuilder:
         """Keep the prompt's logprobs a chunk brings; what of the chunk is shown."""
         prompt = self._prompt_of(index)
         if prompt is not None and prompt.logprobs is None and chunk.prompt_logprobs:
-            prompt.logprobs = chunk.prompt_logprobs
+            prompt.logprobs, prompt.ranks = chunk.prompt_logprobs, chunk.prompt_ranks
         if self.drop_output:
             return Chunk(chunk.index, "", [], [], chunk.finish_reason, chunk.stop_reason)
         return chunk
@@ -368,15 +369,19 @@ class ResponseBuilder:
 
     def _vllm_prompt_logprobs(self, prompt: Prompt) -> list[dict[str, Any] | None]:
         """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob,
-        rank (1: the most likely; None for the prompt's token when outside the top ones),
-        decoded_token}} with the token and its ``prompt_logprobs`` top alternatives."""
+        rank (1: the most likely), decoded_token}} with the token and its ``prompt_logprobs``
+        top alternatives. The token's rank, when it is not among them, is the worker's count
+        over the whole vocabulary (None from a worker that sent none)."""
         result: list[dict[str, Any] | None] = []
-        for entry in self._prompt_entries(prompt):
+        worker_ranks = prompt.ranks or []
+        for i, entry in enumerate(self._prompt_entries(prompt)):
             if not entry:
                 result.append(None)
                 continue
             ranked = sorted(entry, key=lambda item: -item[1])[: self.num_prompt_logprobs]
-            ranks = {t: r for r, (t, _) in enumerate(ranked, start=1)}
+            ranks: dict[int, int | None] = {t: r for r, (t, _) in enumerate(ranked, start=1)}
+            if entry[0][0] not in ranks and i < len(worker_ranks):
+                ranks[entry[0][0]] = worker_ranks[i]
             result.append(
                 {
                     str(t): {

@@ -108,6 +108,7 @@ class OutputProcessor:
         """The request's delta since its previous output."""
         outputs = [self._delta(request, seq) for seq in request.seqs]
         outputs.sort(key=lambda o: o.index)
+        prompt_logprobs, ranks = self._prompt_logprobs(request)
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -116,18 +117,22 @@ class OutputProcessor:
             finished=request.finished or kv_block_ids is not None,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             kv_block_ids=kv_block_ids,
-            prompt_logprobs=self._prompt_logprobs(request),
+            prompt_logprobs=prompt_logprobs,
+            prompt_logprob_ranks=ranks,
         )
 
-    def _prompt_logprobs(self, request: RequestState) -> list[dict[int, float] | None] | None:
-        """The prompt's logprobs once all are computed (None before, and after one output had
-        them; also when they came from elsewhere: a pulled prompt's are the prefill worker's)."""
+    def _prompt_logprobs(
+        self, request: RequestState
+    ) -> tuple[list[dict[int, float] | None] | None, list[int | None] | None]:
+        """The prompt's logprobs and ranks once all are computed (None before, and after one
+        output had them; also when they came from elsewhere: a pulled prompt's are the prefill
+        worker's)."""
         seq = request.seqs[0]
         wanted = request.params.prompt_logprobs is not None and not request.prompt_logprobs_sent
         if not wanted or len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
-            return None
+            return None, None
         request.prompt_logprobs_sent = True
-        return [None, *seq.prompt_logprobs]
+        return [None, *seq.prompt_logprobs], [None, *seq.prompt_logprob_ranks]
 
     def _delta(self, request: RequestState, seq: Sequence) -> CompletionOutput:
         state = request.texts[seq.seq_id]

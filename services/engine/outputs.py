@@ -52,6 +52,9 @@ class RequestOutput:
     # params.prompt_logprobs set: per prompt token, None for the first, then that token's logprob
     # and the top alternatives; in the first output after the prompt is computed, then None.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Beside prompt_logprobs: each prompt token's rank in the whole vocabulary (1: the most
+    # likely), None for the first.
+    prompt_logprob_ranks: list[int | None] | None = None
 
     def merge(self, later: RequestOutput) -> None:
         """Fold ``later`` (the request's next delta) into this output."""
@@ -65,4 +68,6 @@ class RequestOutput:
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
         self.kv_block_ids = later.kv_block_ids or self.kv_block_ids
-        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
+        if not self.prompt_logprobs:
+            self.prompt_logprobs = later.prompt_logprobs
+            self.prompt_logprob_ranks = later.prompt_logprob_ranks

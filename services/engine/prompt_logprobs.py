@@ -36,9 +36,13 @@ def _record(run: PromptHidden, first: int, logits: torch.Tensor) -> None:
     start = run.start + first  # the position of the first row
     targets = seq.token_ids[start + 1 : start + 1 + len(logprobs)]
     index = torch.tensor(targets, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index).squeeze(1).tolist()
+    chosen = logprobs.gather(1, index)
+    # vLLM's rank: how many tokens are at least as likely (the token itself included).
+    seq.prompt_logprob_ranks += (logprobs >= chosen).sum(dim=1).tolist()
     top_values, top_ids = logprobs.topk(seq.params.prompt_logprobs or 0)
-    for token, value, values, ids in zip(targets, chosen, top_values.tolist(), top_ids.tolist()):
+    for token, value, values, ids in zip(
+        targets, chosen.squeeze(1).tolist(), top_values.tolist(), top_ids.tolist()
+    ):
         entry = {token: value}
         for v, t in zip(values, ids):
             entry.setdefault(t, v)

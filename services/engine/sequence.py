@@ -64,6 +64,8 @@ class Sequence:
     # params.prompt_logprobs set: entry i for prompt token i + 1 (its logprob first, then the top
     # alternatives), filled as the prompt's chunks are computed; a recompute skips what is here.
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Beside each entry: the prompt token's rank in the whole vocabulary (1: the most likely).
+    prompt_logprob_ranks: list[int] = field(default_factory=list)
     # Disaggregation: a prefill-only sequence is pinned after its first token; a pulled one is
     # admitted for its prompt's KV (``num_remote_kv_tokens``) instead of computing it.
     pin_blocks: bool = False
@@ -136,6 +138,7 @@ class Sequence:
             status=self.status,
             logprobs=list(self.logprobs),
             prompt_logprobs=self.prompt_logprobs,
+            prompt_logprob_ranks=self.prompt_logprob_ranks,
             first_scheduled_time=self.first_scheduled_time,
         )
         return child

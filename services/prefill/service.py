@@ -31,7 +31,12 @@ from opentelemetry.trace import Span
 
 from common import tracing
 from common.sampling_params import SamplingParams
-from common.wire import logprobs_to_proto, params_from_proto, set_stop_reason
+from common.wire import (
+    logprobs_to_proto,
+    params_from_proto,
+    prompt_logprobs_to_proto,
+    set_stop_reason,
+)
 from kvtransfer.base import KVLayout, block_checksums
 from kvtransfer.source import TensorBlockSource, pin_key
 from protos import pdserve_pb2 as pb
@@ -298,8 +303,9 @@ def _response(final: RequestOutput, seq: Sequence) -> pb.PrefillResponse:
     set_stop_reason(response, out.stop_reason)
     if out.logprobs:
         response.logprobs.CopyFrom(logprobs_to_proto(out.logprobs[0]))
-    for entry in (final.prompt_logprobs or [None])[1:]:
-        response.prompt_logprobs.append(logprobs_to_proto(entry))
+    response.prompt_logprobs.extend(
+        prompt_logprobs_to_proto(final.prompt_logprobs, final.prompt_logprob_ranks)
+    )
     return response
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from common.wire import logprobs_to_proto, set_stop_reason
+from common.wire import logprobs_to_proto, prompt_logprobs_to_proto, set_stop_reason
 from kvtransfer.base import KVLayout
 from protos import pdserve_pb2 as pb
 from services.engine.outputs import RequestOutput
@@ -17,7 +17,7 @@ def chunks_from_output(
     """One chunk per sequence that has something new (tokens, text or its finish); ``output``
     is a delta, so each chunk carries exactly its tokens and their logprobs; the prompt's
     logprobs, when the output has them, go with the first chunk."""
-    prompt_logprobs = [logprobs_to_proto(e) for e in (output.prompt_logprobs or [None])[1:]]
+    prompt_logprobs = prompt_logprobs_to_proto(output.prompt_logprobs, output.prompt_logprob_ranks)
     for o in output.outputs:
         if not (o.token_ids or o.text or o.finish_reason or first or prompt_logprobs):
             continue

@@ -33,6 +33,27 @@ def test_slices_give_the_same_logprobs(engine_llm, monkeypatch: pytest.MonkeyPat
         assert entry is not None and next(iter(entry)) == tokens[i] and 3 <= len(entry) <= 4
 
 
+def test_each_prompt_token_is_ranked_in_the_whole_vocabulary(
+    engine_llm, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Beside each entry its token's rank (vLLM's count: tokens at least as likely): its place
+    among the top 3 when it is there, past them when it is not; slices rank alike."""
+    whole = scored(engine_llm)
+    ranks = whole.prompt_logprob_ranks
+    assert ranks is not None and len(ranks) == len(whole.prompt_token_ids) and ranks[0] is None
+    outside = 0
+    for token, entry, rank in zip(whole.prompt_token_ids[1:], whole.prompt_logprobs[1:], ranks[1:]):
+        top = sorted(entry.values(), reverse=True)[:3]
+        if entry[token] in top:
+            assert rank == top.index(entry[token]) + 1
+        else:
+            outside += 1
+            assert rank > 3
+    assert outside > 0
+    monkeypatch.setattr(prompt_logprobs, "SLICE", 5)
+    assert scored(engine_llm).prompt_logprob_ranks == ranks
+
+
 def test_n_sequences_share_one_computation(engine_llm) -> None:  # type: ignore[no-untyped-def]
     one = scored(engine_llm)
     several = scored(engine_llm, n=3, temperature=1.0, seed=1)
