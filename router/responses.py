@@ -387,7 +387,7 @@ class ResponseBuilder:
                     str(t): {
                         "logprob": lp,
                         "rank": ranks.get(t),
-                        "decoded_token": self._token(t),
+                        "decoded_token": self._text(t),  # text also with token ids, as vLLM
                     }
                     for t, lp in entry
                 }

@@ -195,7 +195,8 @@ def test_prompt_logprobs_extra_on_chat(routers, hf, route: str) -> None:  # type
             messages=messages,
             max_tokens=2,
             temperature=0,
-            extra_body={"prompt_logprobs": 2},
+            # vLLM names prompt tokens by their text also when logprobs name them by id
+            extra_body={"prompt_logprobs": 2, "return_tokens_as_token_ids": route == "local"},
         )
     )
     entries = response.model_extra["prompt_logprobs"]
@@ -207,6 +208,7 @@ def test_prompt_logprobs_extra_on_chat(routers, hf, route: str) -> None:  # type
     assert_close(got, hf_logprobs(hf, ids))
     outside = 0
     for entry, token, (lowest, highest) in zip(entries[1:], ids[1:], hf_rank_bounds(hf, ids)):
+        assert all(v["decoded_token"] == hf[0].decode([int(t)]) for t, v in entry.items())
         rank = entry[str(token)]["rank"]
         assert lowest <= rank <= highest, (token, rank, lowest, highest)
         by_likelihood = sorted(entry.values(), key=lambda v: -v["logprob"])
