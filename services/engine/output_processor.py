@@ -81,9 +81,10 @@ class OutputProcessor:
                 return stopped  # vLLM's rule: the EOS or stop token that ends it is not text
         text = state.held + state.detokenizer.add(seq.token_ids[-1])
         stops = request.params.stop
-        if seq.num_output_tokens < request.params.min_tokens:  # vLLM's min_tokens: nothing stops
-            stops = []
-        if stops and len(text) > len(state.held):
+        # vLLM's min_tokens: a stop string must end after the first min_tokens tokens (it may
+        # start in them: their text is held back as usual, it just is not matched yet).
+        may_stop = seq.num_output_tokens > request.params.min_tokens
+        if stops and may_stop and len(text) > len(state.held):
             match = find_stop_string(text, len(text) - len(state.held), stops)
             if match is not None:
                 index, stop = match

@@ -282,3 +282,38 @@ def test_a_dropped_llm_is_freed_at_once_without_the_cyclic_collector() -> None:
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_min_tokens_holds_off_stop_strings_as_vllm(engine_llm, reference):
+    """vLLM's rule: a stop string ends a sequence only when it ends in a token after the first
+    ``min_tokens`` (as EOS can only be token ``min_tokens`` + 1); it may start in them."""
+    tokenizer = engine_llm.get_tokenizer()
+    ids = reference[1]
+    texts = [tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]  # text after token i + 1
+    # token k (1-based) is the first whose text is new, at least 2 characters and found nowhere
+    # before it, so that a stop string made of it can only match there
+    k = next(
+        i + 1
+        for i in range(2, len(ids))
+        if len(texts[i]) - len(texts[i - 1]) >= 2
+        and texts[i][len(texts[i - 1]) :] not in texts[i - 1]
+    )
+    word = texts[k - 1][len(texts[k - 2]) :]
+    straddle = texts[k - 2][-1] + word[0]  # the last character of token k - 1, the first of k
+
+    def run(min_tokens: int, stop: str, max_tokens: int = k):  # type: ignore[no-untyped-def]
+        params = SamplingParams(
+            temperature=0, max_tokens=max_tokens, min_tokens=min_tokens, stop=[stop]
+        )
+        return engine_llm.generate(PROMPTS[1], params)[0].outputs[0]
+
+    held_off = run(min_tokens=k, stop=word)  # it ends in token k, one of the first k
+    assert (held_off.finish_reason, held_off.text, held_off.token_ids) == (
+        "length",
+        texts[k - 1],
+        ids[:k],
+    )
+    ended = run(min_tokens=k - 1, stop=word)  # token k is the first that may end it
+    assert (ended.finish_reason, ended.stop_reason, ended.text) == ("stop", word, texts[k - 2])
+    across = run(min_tokens=k - 1, stop=straddle)  # begins in token k - 1: matched, and cut
+    assert (across.finish_reason, across.text) == ("stop", texts[k - 2][:-1])
