@@ -42,7 +42,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     2026-11-28 (22-23 min one at a time): ``-n 2 --dist loadfile`` with the timing tests after
     it alone took 13.5 + 6 min, but memory peaked at 22.9 of 24 GiB (two test processes of ~5
     GiB beside up to eight 1.3 GiB workers: the OOM killer took one in the first try), and one
-    run hit the errors above; this folder as one xdist group made the first part 19 min."""
+    run hit the errors above; this folder as one xdist group made the first part 19 min. Once
+    more on 2026-11-29 (Zen 4): ``-n 2 --dist loadfile`` 18:57 against 23:43 one at a time, with
+    29 errors, all of them router modules that found the pair stopped."""
     yield
     pair = item.config.stash.get(SHARED, None)
     if pair is None:
