@@ -4,9 +4,10 @@ and each request's id.
 The id is the client's ``X-Request-Id`` when it sends a usable one (at most 128 characters of
 letters, digits and ``._:-``; else a new one), or else the body's ``request_id`` (vLLM's field;
 the header wins, as in vLLM; an unusable one is a 400), and every response carries it back in
-``X-Request-Id``. The id of the request the workers see contains it (``chatcmpl-<id>``, with a
-random suffix when the client chose the id: two clients may choose the same one), so a grep for
-it finds the request's lines in the workers' logs too.
+``X-Request-Id``, and the response's ``id`` is ``chatcmpl-<id>`` (vLLM's form). The id of the
+request the workers see contains it too (with a random suffix when the client chose the id: two
+clients may choose the same one), so a grep for it finds the request's lines in the workers'
+logs.
 
 `AccessLogMiddleware` sits outside the edge, so it sees every answer: refusals (401, 413, 400,
 429, 503), successes, and clients that left (499, also when a stream loses its client after it
@@ -75,6 +76,11 @@ class AccessEntry:
             raise APIError(400, msg, param="request_id")
         if not self.chosen_by_client:
             self.request_id, self.chosen_by_client = request_id, True
+
+    def response_id(self, prefix: str) -> str:
+        """The response's ``id``: ``<prefix>-<request id>``, as vLLM's (no suffix: the workers'
+        ids keep requests apart, not this one)."""
+        return f"{prefix}-{self.request_id}"
 
     def worker_request_id(self, prefix: str) -> str:
         """The id the workers see (its prompts' ids add ``-<index>``): unique even when the

@@ -94,7 +94,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         rid = entry_of(request.scope).worker_request_id("cmpl")
         subs = gateway.sub_requests(rid, list(prompts), params, salt)
         _check_tokens(admission, subs, "max_tokens")
-        builder = _builder(gateway, "completion", subs, body.n, body.logprobs, body)
+        response_id = entry_of(request.scope).response_id("cmpl")
+        builder = _builder(gateway, "completion", response_id, subs, body.n, body.logprobs, body)
         admit = _Admit(admission, client, deadline)
         return await _respond(gateway, request, subs, builder, body.stream, arrival, admit)
 
@@ -123,7 +124,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         rid = entry_of(request.scope).worker_request_id("chatcmpl")
         subs = gateway.sub_requests(rid, [prompt], params, salt)
         _check_tokens(admission, subs, param)
-        builder = _builder(gateway, "chat", subs, body.n, body.num_logprobs, body)
+        response_id = entry_of(request.scope).response_id("chatcmpl")
+        builder = _builder(gateway, "chat", response_id, subs, body.n, body.num_logprobs, body)
         if tools:  # tool_choice other than none: the answers are read for calls
             builder.expect_tool_calls(ToolOutput(body.tool_plan(), tool_parser))
         admit = _Admit(admission, client, deadline)
@@ -218,10 +220,10 @@ def _check_tokens(admission: Admission, subs: list[SubRequest], param: str) -> N
     admission.check_tokens(lens, [s.params.max_tokens for s in subs], subs[0].params.n, param)
 
 
-def _builder(gateway: Gateway, kind, subs, n, num_logprobs, body) -> ResponseBuilder:  # type: ignore[no-untyped-def]
+def _builder(gateway: Gateway, kind, response_id, subs, n, num_logprobs, body) -> ResponseBuilder:  # type: ignore[no-untyped-def]
     builder = ResponseBuilder(
         kind,
-        subs[0].request_id.rsplit("-", 1)[0],
+        response_id,
         now_unix(),
         gateway.model.name,
         len(subs) * n,
