@@ -11,6 +11,7 @@ from services.engine.model.packed_linear import (
     PackedLinear,
     can_run,
     candidate_paths,
+    onednn_rows,
     onednn_supports,
     pack_linears,
     weight_format,
@@ -45,6 +46,20 @@ def test_bfloat16_strided_and_batched_inputs() -> None:
         out = packed(x)
         assert out.shape == (2, 5, 32) and out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), linear(x).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_onednn_runs_a_bounded_set_of_row_counts_padding_at_most_a_sixteenth() -> None:
+    """oneDNN builds a kernel per row count: the grid keeps a server's row counts (up to the
+    8,192-token step of a large ``max_num_batched_tokens``) to about a hundred per shape, each
+    padded by at most 7 rows or a sixteenth."""
+    grid = [onednn_rows(rows) for rows in range(1, 8193)]
+    assert grid[:16] == list(range(1, 17))  # decode batches of up to 16: exact
+    rows = (17, 32, 33, 256, 257, 511, 512, 513, 2047, 2049)
+    expected = (24, 32, 40, 256, 272, 512, 512, 544, 2048, 2176)
+    assert tuple(onednn_rows(r) for r in rows) == expected
+    assert all(rows <= padded <= rows + max(rows // 16, 7) for rows, padded in enumerate(grid, 1))
+    assert all(onednn_rows(padded) == padded for padded in grid)
+    assert len(set(grid[:2048])) == 94 and len(set(grid)) == 126
 
 
 def test_pack_linears_replaces_every_linear_and_keeps_the_rest() -> None:
@@ -92,7 +107,7 @@ def reference(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 16, 100])
+@pytest.mark.parametrize("rows", [1, 3, 16, 100, 300])
 def test_every_path_computes_the_same_layer(dtype: torch.dtype, rows: int) -> None:
     """Each path this CPU runs (the small-batch kernel: tests/kernels/test_linear_bf16.py) gives
     the float32 result on the same values, to the rounding of the output dtype."""

@@ -28,6 +28,16 @@ The paths (``PATHS``), each computing ``y = x @ W.T + b`` from the same weights:
   against 16 weight rows per bfloat16 dot product, no horizontal sums (Zen 4, 64 rows: 1.1-1.6x
   oneDNN's bfloat16 GEMM on a small model's shapes, ``kernels/csrc/gemm_bf16_cpu.c``).
 
+oneDNN builds (and JIT-compiles) a kernel for every new row count it sees: 1-15 ms per layer
+shape on an Emerald Rapids Xeon with AMX, the first time, and again once its cache of 1,024
+kernels evicts it. A prefill step's row count is its token count, so a server seeing prompts of
+every length kept paying it (a 513-token prompt after a 512-token one: 404 against 317 ms,
+issue #33). The two oneDNN paths therefore run on row counts rounded up to a grid
+(``onednn_rows``): exact to 16 rows (a decode batch of a few sequences, where a padded row
+costs the most), multiples of 8 to 256, then 16 steps per doubling (at most 7 rows or 1/16 of
+them padded, with zeros, and cut off the output): 94 row counts per shape up to the default
+2,048-token step, 126 up to 8,192.
+
 Which path runs is a table per layer: one path per row bucket (``ROW_BUCKETS``), chosen by
 measurement at engine start (``services.engine.model.gemm_choice``) or forced by
 ``--cpu-matmul``. A layer keeps only the weight formats its table uses. Results differ between
@@ -89,6 +99,8 @@ ROWS_SERVED = {
 ROW_BUCKETS = (1, 4, 8, 16, 64)
 NUM_BUCKETS = len(ROW_BUCKETS) + 1
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+# ``onednn_rows``: row counts kept exact; the grid's step up to DECODE_GRID_ROWS.
+EXACT_ROWS, DECODE_GRID_STEP, DECODE_GRID_ROWS = 16, 8, 256
 
 
 def bucket_of(rows: int) -> int:
@@ -122,6 +134,14 @@ def bucket_label(index: int) -> str:
     if high is None:
         return f"{low}+"
     return str(high) if low == high else f"{low}-{high}"
+
+
+def onednn_rows(rows: int) -> int:
+    """The row count a oneDNN GEMM of ``rows`` rows runs at (module docstring: a bounded set)."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = DECODE_GRID_STEP if rows <= DECODE_GRID_ROWS else 1 << (rows.bit_length() - 5)
+    return -(-rows // step) * step
 
 
 def native_matmul(dtype: torch.dtype) -> bool:
@@ -200,7 +220,12 @@ def make_gemm(
 
         def onednn(x: torch.Tensor) -> torch.Tensor:
             x = x if x.dtype == compute else x.to(compute)
-            return torch.ops.mkldnn._linear_pointwise(x, packed, packed_bias, "none", [], "")
+            rows = x.shape[0]
+            padded = onednn_rows(rows)
+            if padded != rows:  # zero rows, so that no NaN or Inf can come of them
+                x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+            y = torch.ops.mkldnn._linear_pointwise(x, packed, packed_bias, "none", [], "")
+            return y if padded == rows else y[:rows]
 
         return onednn
     if path == "mkl":
