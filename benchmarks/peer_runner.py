@@ -40,7 +40,8 @@ WORKLOADS = {
     "prefill2048": (1, 2048, 1),
 }
 # name -> (number of prompts, prompt tokens, decode steps) for --profile
-PROFILES = {"single": (1, 128, 32), "batch": (64, 128, 16)}
+# (0 decode steps: the prompt's prefill itself, in ms per prompt)
+PROFILES = {"single": (1, 128, 32), "batch": (64, 128, 16), "prefill2048": (1, 2048, 0)}
 # operator category -> name fragments (lower case), first match wins
 CATEGORIES = {
     "GEMMs (linear layers)": ("linear", "addmm", "matmul", "::mm", "gemm", "onednn", "mkldnn"),
@@ -177,13 +178,17 @@ def categorize(ops: dict[str, float], total: float, wall: float) -> dict[str, fl
 
 
 def profile(run: Profiled, seed: int) -> dict[str, dict[str, float]]:
-    """Milliseconds per decode step by category, for each of ``PROFILES``."""
+    """Milliseconds per decode step (per prompt for a prefill) by category, for each of
+    ``PROFILES``."""
     result = {}
     for name, (num, length, steps) in PROFILES.items():
         # Other prompts each run: a repeated prompt would be a prefix-cache hit, not a prefill.
         run(prompts(num, length, seed + 2), 1 + steps)  # warm-up: first costs of these shapes
         wall, table = run(prompts(num, length, seed), 1)
         prefill = categorize(*parse_table(table), wall)
+        if steps == 0:
+            result[name] = {k: 1e3 * v for k, v in prefill.items()}
+            continue
         wall, table = run(prompts(num, length, seed + 1), 1 + steps)
         both = categorize(*parse_table(table), wall)
         result[name] = {k: 1e3 * (both[k] - prefill[k]) / steps for k in both}

@@ -22,9 +22,10 @@ TTFT p50, ITL p99, and the CPU seconds each process used during the burst (worke
 Redis, the load tester: on 2 cores they all share the workers' cores).
 
 Profile (``--profile``): where one decode step's time goes in each system, single stream and at
-64 sequences: self CPU time by operator category under PyTorch's profiler (vLLM's own, in its
-worker), and the wall time outside any operator (see ``peer_runner.py``). Profiled steps run
-slower than timed ones; compare the shares, not the totals, with the offline table.
+64 sequences, and where one 2,048-token prompt's prefill goes: self CPU time by operator
+category under PyTorch's profiler (vLLM's own, in its worker), and the wall time outside any
+operator (see ``peer_runner.py``). Profiled steps run slower than timed ones; compare the
+shares, not the totals, with the offline table.
 
 The peer is installed into its own venv when missing (``--peer-venv``, default
 ``~/.cache/pdserve/peer/vllm-venv``; about 2 minutes and 3.4 GiB): ``pip install
@@ -307,12 +308,12 @@ def profiles(args: argparse.Namespace, peer: Path) -> dict[str, Any]:
 
 
 def print_profiles(result: dict[str, Any]) -> None:
-    names = {"single": "1 seq", "batch": "64 seqs"}
+    names = {"single": "1 seq", "batch": "64 seqs", "prefill2048": "prefill 2k"}
     cols = [(w, s) for w in names for s in ("vllm", "pdserve")]
-    head = "".join(f"{('vLLM ' if s == 'vllm' else 'pdserve ') + names[w]:>16}" for w, s in cols)
-    print(f"\n{'ms per decode step (profiled)':<40}{head}")
+    head = "".join(f"{('vLLM ' if s == 'vllm' else 'pdserve ') + names[w]:>19}" for w, s in cols)
+    print(f"\n{'ms per decode step (prefill: per prompt)':<40}{head}")
     for category in result["pdserve"]["single"]:
-        cells = "".join(f"{result[s][w][category]:>16.2f}" for w, s in cols)
+        cells = "".join(f"{result[s][w][category]:>19.2f}" for w, s in cols)
         print(f"{category:<40}{cells}")
 
 
