@@ -28,11 +28,12 @@ The paths (``PATHS``), each computing ``y = x @ W.T + b`` from the same weights:
   against 16 weight rows per bfloat16 dot product, no horizontal sums (Zen 4, 64 rows: 1.1-1.6x
   oneDNN's bfloat16 GEMM on a small model's shapes, ``kernels/csrc/gemm_bf16_cpu.c``).
 
-oneDNN builds (and JIT-compiles) a kernel for every new row count it sees: 1-15 ms per layer
-shape on an Emerald Rapids Xeon with AMX, the first time, and again once its cache of 1,024
-kernels evicts it. A prefill step's row count is its token count, so a server seeing prompts of
-every length kept paying it (a 513-token prompt after a 512-token one: 404 against 317 ms,
-issue #33). The two oneDNN paths therefore run on row counts rounded up to a grid
+oneDNN builds (and JIT-compiles) a kernel for every new row count it sees, and again once its
+cache evicts it. A prefill step's row count is its token count, so a server seeing prompts of
+every length kept paying it: on an Emerald Rapids Xeon with AMX, the four layer shapes' first
+call at 513 rows took 43.6 ms against 12.0 for the second, and passes over 200 random row counts
+rebuilt kernels every time (``benchmarks/onednn_rows.py --kernels``, issue #33). The two oneDNN
+paths therefore run on row counts rounded up to a grid
 (``onednn_rows``): exact to 16 rows (a decode batch of a few sequences, where a padded row
 costs the most), multiples of 8 to 256, then 16 steps per doubling (at most 7 rows or 1/16 of
 them padded, with zeros, and cut off the output): 94 row counts per shape up to the default
