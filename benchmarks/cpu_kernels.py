@@ -198,8 +198,8 @@ def glue_rows(
 
 def prefill_rows(
     kernel: cpu_ops.CpuKernels, prompts: list[int], repeats: int
-) -> list[tuple[int, float, float, float, float]]:
-    """(P, SDPA ms, compiled ms, SDPA max |diff|, compiled max |diff|) for one layer's prefill
+) -> list[tuple[int, dict[str, tuple[float, float]]]]:
+    """(P, {SDPA or compiled path: (ms, max |diff| from float32)}) for one layer's prefill
     attention over a P-token prompt in shuffled blocks of a bfloat16 cache."""
     results = []
     for tokens in tqdm(prompts, desc="prefill attention", unit="P", file=sys.stderr):
@@ -210,10 +210,16 @@ def prefill_rows(
         query = torch.randn(tokens, NUM_HEADS, HEAD_DIM).bfloat16()
         args = (tables, torch.tensor([0, tokens]), torch.tensor([tokens]), HEAD_DIM**-0.5)
         exact = reference.paged_attention_prefill(query.float(), key.float(), value.float(), *args)
-        sdpa = partial(reference.paged_attention_prefill, query, key, value, *args)
-        compiled = partial(kernel.prefill, query, key, value, *args)
-        diffs = [float((fn().float() - exact).abs().max()) for fn in (sdpa, compiled)]  # type: ignore[union-attr]
-        results.append((tokens, median_ms(sdpa, repeats), median_ms(compiled, repeats), *diffs))
+        calls: dict[str, Callable[[], torch.Tensor | None]] = {
+            "SDPA": partial(reference.paged_attention_prefill, query, key, value, *args)
+        }
+        for path in kernel.prefill.paths:
+            calls[path] = partial(kernel.prefill, query, key, value, *args, path=path)
+        row = {}
+        for name, call in calls.items():
+            diff = float((call().float() - exact).abs().max())  # type: ignore[union-attr]
+            row[name] = (median_ms(call, repeats), diff)
+        results.append((tokens, row))
     return results
 
 
@@ -299,21 +305,16 @@ def main() -> int:
         f"\nprefill attention: one layer, a fresh prompt of P tokens, {NUM_HEADS}/{NUM_KV_HEADS} "
         f"heads, head_dim {HEAD_DIM}, bfloat16; max |diff| from float32 attention"
     )
-    print(
-        f"{'P':>5} {'SDPA ms':>8} {'GFLOP/s':>8} {'ours ms':>8} {'GFLOP/s':>8} {'speedup':>8}",
-        end="",
-    )
-    print(f" {'SDPA diff':>10} {'ours diff':>10}")
+    names = ["SDPA", *kernel.prefill.paths]
+    print(f"{'P':>5}" + "".join(f" {n + ' ms':>15} {'GFLOP/s':>8} {'max diff':>9}" for n in names))
     with torch.inference_mode():
-        for p, sdpa_ms, ours_ms, sdpa_diff, ours_diff in prefill_rows(
-            kernel, ints(args.prefill_tokens), args.repeats
-        ):
+        for p, row in prefill_rows(kernel, ints(args.prefill_tokens), args.repeats):
             gflop = 2 * p * (p + 1) * NUM_HEADS * HEAD_DIM / 1e9
-            print(
-                f"{p:>5} {sdpa_ms:>8.1f} {gflop / sdpa_ms * 1e3:>8.0f} {ours_ms:>8.1f} "
-                f"{gflop / ours_ms * 1e3:>8.0f} {sdpa_ms / ours_ms:>7.2f}x "
-                f"{sdpa_diff:>10.1e} {ours_diff:>10.1e}"
+            cells = "".join(
+                f" {row[n][0]:>15.2f} {gflop / row[n][0] * 1e3:>8.0f} {row[n][1]:>9.1e}"
+                for n in names
             )
+            print(f"{p:>5}{cells}")
     return 0
 
 

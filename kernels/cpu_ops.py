@@ -63,10 +63,11 @@ SOURCES = [
         "int8_cpu",
         "decode_layers_cpu",
         "prefill_attention_cpu",
+        "prefill_attention_amx",
         "sampling_cpu",
     )
 ]
-HEADERS = [CSRC / "vec16.h", CSRC / "decode_parts.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "decode_parts.h", CSRC / "prefill_attention.h"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # GCC prefers 256-bit vectors on many x86 CPUs and splits our 16-lane bf16 widening in two.
@@ -407,7 +408,8 @@ class CpuKernels:
         ``PrefillAttention.takes`` the tensors and measured faster there (``use``), else the
         reference."""
         args = (query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
-        out = self.prefill(*args, scale) if self.prefill.use(query, key_cache) else None
+        path = self.prefill.use(query, key_cache)
+        out = self.prefill(*args, scale, path=path) if path else None
         return reference.paged_attention_prefill(*args, scale) if out is None else out
 
     def linear_bf16(

@@ -1,30 +1,37 @@
 """The compiled prefill attention (``kernels/csrc/prefill_attention_cpu.c``): the prompt tokens of
-a step attend causally to their sequences' contexts, read from the paged cache, with VDPBF16PS.
+a step attend causally to their sequences' contexts, read from the paged cache. Two compiled
+paths compute it: ``avx512_bf16`` (VDPBF16PS) on CPUs with AVX-512 BF16, and ``amx``
+(``prefill_attention_amx.c``: both products on AMX tiles) where the compiler and Linux also give
+AMX. The library reports which it has (``paths``).
 
-It takes bfloat16 queries and caches on CPUs with AVX-512 BF16 (the library reports a build
-without it), head_dim a multiple of 32 up to 256; ``PrefillAttention.__call__`` returns None for
-anything else, and the caller keeps ``kernels.reference.paged_attention_prefill`` (PyTorch's
-SDPA), which computes the same attention: the scores and the softmax in float32 in both, the
-softmax weights rounded to bfloat16 before they weigh the values here, as PyTorch's CPU flash
-attention rounds them for a bfloat16 query.
+They take bfloat16 queries and caches, head_dim a multiple of 32 up to 256;
+``PrefillAttention.__call__`` returns None for anything else, and the caller keeps
+``kernels.reference.paged_attention_prefill`` (PyTorch's SDPA), which computes the same attention:
+the scores and the softmax in float32 in all, the softmax weights rounded to bfloat16 before they
+weigh the values, as PyTorch's CPU flash attention rounds them for a bfloat16 query.
 
-Which of the two is faster depends on the CPU, so it is measured, not guessed: on a 2-core Zen 4
-VM this kernel ran a 2,048-token prompt 2.4x faster than SDPA, on a 16-core Xeon with AMX SDPA
-(on AMX tiles) was 1.6x faster than it. ``measure`` times both on a prompt of the model's shape
-once (the model runner does, at start), and ``use`` then says which serves that shape.
+Which is fastest depends on the CPU, so it is measured, not guessed: on a 2-core Zen 4 VM the
+VDPBF16PS path ran a 2,048-token prompt 2.4x faster than SDPA; on an Emerald Rapids Xeon, where
+VDPBF16PS issues at half rate, SDPA (on AMX tiles) was 2.8x faster than it. ``measure`` times
+SDPA and each path on a prompt of the model's shape once (the model runner does, at start), and
+``use`` then names the compiled path that serves that shape (None: SDPA).
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from kernels import reference
 
 BAD_INDEX = 3  # its status for a block id outside the cache (nothing written)
-NOT_BUILT = 4  # its status where compiled without AVX-512 BF16
+NOT_BUILT = 4  # its status for a path this build or this OS does not have
+PATHS = ("avx512_bf16", "amx")  # the compiled paths, named to the C entry by their index
+SDPA = "sdpa"  # PyTorch's, in measure's answer
 MAX_HEAD_DIM, DIM_MULTIPLE = 256, 32
 MEASURE_TOKENS, MEASURE_CALLS = 1024, 3  # the prompt both are timed on; calls each, in turn
 Shape = tuple[int, int, int, int]  # (num_heads, num_kv_heads, head_dim, torch threads)
@@ -58,21 +65,26 @@ class _Job(ctypes.Structure):
 
 
 class PrefillAttention:
-    """The compiled call of a loaded kernel library; ``available`` is False where it was built
-    without AVX-512 BF16."""
+    """The compiled paths of a loaded kernel library (``paths``: those it has; ``available``:
+    any), and which of them, or SDPA, measured fastest per shape."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.prefill_attention_bf16
-        self._fn.argtypes = [ctypes.POINTER(_Job), ctypes.c_int]
+        self._fn.argtypes = [ctypes.POINTER(_Job), ctypes.c_int, ctypes.c_int]
         self._fn.restype = ctypes.c_int
-        self.available = self._fn(ctypes.byref(_Job()), 1) != NOT_BUILT
-        self._faster: dict[Shape, bool] = {}  # measured: the compiled call beat SDPA there
+        self.paths = tuple(
+            name
+            for index, name in enumerate(PATHS)
+            if self._fn(ctypes.byref(_Job()), 1, index) != NOT_BUILT
+        )
+        self.available = bool(self.paths)
+        self._chosen: dict[Shape, str] = {}  # measured fastest: SDPA or a compiled path
 
-    def measure(self, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[float, float]:
-        """Seconds of SDPA and of the compiled call (the fastest of ``MEASURE_CALLS`` each, in
+    def measure(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, float]:
+        """Seconds of SDPA and of each compiled path (the fastest of ``MEASURE_CALLS`` each, in
         turn) on a fresh ``MEASURE_TOKENS``-token bfloat16 prompt of this shape at torch's
-        thread count; remembered, so that ``use`` takes the faster. (inf, inf) where the
-        compiled call does not take the shape."""
+        thread count, by name; the fastest is remembered for ``use``. Empty where the compiled
+        paths do not take the shape."""
         block_size, blocks = 16, MEASURE_TOKENS // 16
         shape = (blocks, block_size, num_kv_heads, head_dim)
         key, value = torch.randn(shape).bfloat16(), torch.randn(shape).bfloat16()
@@ -80,27 +92,33 @@ class PrefillAttention:
         tables = torch.arange(blocks, dtype=torch.int32)[None]
         starts, lens = torch.tensor([0, MEASURE_TOKENS]), torch.tensor([MEASURE_TOKENS])
         if not self.takes(query, key, value):
-            return float("inf"), float("inf")
-        best = [float("inf"), float("inf")]  # SDPA, compiled
+            return {}
+        args = (query, key, value, tables, starts, lens, head_dim**-0.5)
+        calls: dict[str, Callable[[], torch.Tensor | None]] = {
+            SDPA: partial(reference.paged_attention_prefill, *args)
+        }
+        for name in self.paths:
+            calls[name] = partial(self, *args, path=name)
+        best = dict.fromkeys(calls, float("inf"))
         with torch.inference_mode():
-            for round in range(MEASURE_CALLS + 1):  # round 0 warms both up, untimed
-                for i in range(2):
-                    call = reference.paged_attention_prefill if i == 0 else self.__call__
+            for round in range(MEASURE_CALLS + 1):  # round 0 warms each up, untimed
+                for name, call in calls.items():
                     start = time.perf_counter()
-                    call(query, key, value, tables, starts, lens, head_dim**-0.5)
+                    call()
                     if round:
-                        best[i] = min(best[i], time.perf_counter() - start)
+                        best[name] = min(best[name], time.perf_counter() - start)
         key_of = (num_heads, num_kv_heads, head_dim, torch.get_num_threads())
-        self._faster[key_of] = best[1] < best[0]
-        return best[0], best[1]
+        self._chosen[key_of] = min(best, key=best.__getitem__)
+        return best
 
-    def use(self, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-        """Whether ``measure`` found the compiled call faster for this shape (False: not
-        measured, or SDPA was faster)."""
+    def use(self, query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
+        """The compiled path ``measure`` found fastest for this shape, or None (not measured, or
+        SDPA was faster)."""
         if query.dim() != 3 or key_cache.dim() != 4:
-            return False
+            return None
         key = (query.shape[1], key_cache.shape[2], query.shape[2], torch.get_num_threads())
-        return self._faster.get(key, False)
+        chosen = self._chosen.get(key, SDPA)
+        return None if chosen == SDPA else chosen
 
     def takes(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
@@ -132,12 +150,17 @@ class PrefillAttention:
         query_start_loc: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        path: str | None = None,
     ) -> torch.Tensor | None:
-        """``kernels.reference.paged_attention_prefill``'s contract; None where ``takes`` is
-        False. Raises IndexError for a block id outside the cache, ValueError for contexts
-        shorter than their queries."""
+        """``kernels.reference.paged_attention_prefill``'s contract, by ``path`` (one of
+        ``paths``; None: the one ``use`` names, else the last of ``paths``); None where
+        ``takes`` is False. Raises IndexError for a block id outside the cache, ValueError for
+        contexts shorter than their queries or a path this library does not have."""
         if not self.takes(query, key_cache, value_cache):
             return None
+        path = path or self.use(query, key_cache) or self.paths[-1]
+        if path not in self.paths:
+            raise ValueError(f"prefill attention path {path!r}: this build has {self.paths}")
         if context_lens.numel() == 0 or query.shape[0] == 0:
             return torch.empty_like(query)
         query = query.contiguous()
@@ -163,7 +186,7 @@ class PrefillAttention:
             scale,
             out.data_ptr(),
         )
-        status = self._fn(ctypes.byref(job), torch.get_num_threads())
+        status = self._fn(ctypes.byref(job), torch.get_num_threads(), PATHS.index(path))
         if status == BAD_INDEX:
             raise IndexError("a block table holds a block id outside the KV cache")
         if status == 1:

@@ -17,38 +17,24 @@
  *    the GQA group) go ROW_GROUP at a time over the keys KEY_TILE at a time (flash attention's
  *    online softmax: a running max and sum per row, the output rescaled when the max grows), up
  *    to the last key the group's rows may see. Items are handed out dynamically: causal items
- *    differ in cost.
+ *    differ in cost. With `amx` set, phase 2 is prefill_attention_amx.c's, on AMX tiles.
  * Status: 0, 1 for arguments it does not take, 2 out of memory, 3 a block id outside the cache,
- * 4 compiled without AVX-512 BF16 (the caller then keeps PyTorch's SDPA).
+ * 4 compiled without AVX-512 BF16, or `amx` asked where the compiler or Linux gives no AMX tiles
+ * (the caller then keeps another path).
  */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "prefill_attention.h"
 #include "vec16.h"
 
-typedef struct {
-    const uint16_t *query;       /* [tokens, num_heads, head_dim], contiguous */
-    const uint16_t *key_cache;   /* [blocks, block_size, kv_heads, head_dim] at the strides below */
-    const uint16_t *value_cache; /* same strides */
-    int64_t block_stride, token_stride, head_stride; /* elements; head_dim is contiguous */
-    const int32_t *block_tables; /* [num_seqs, max_blocks] */
-    int64_t max_blocks, num_blocks;
-    const int64_t *query_start;  /* [num_seqs + 1]: sequence s's tokens in `query` */
-    const int64_t *context_lens; /* [num_seqs]: its context, the query tokens last */
-    int32_t num_seqs, num_heads, num_kv_heads, head_dim, block_size;
-    float scale;
-    uint16_t *out; /* [tokens, num_heads, head_dim] */
-} PrefillJob;
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-#define KEY_TILE 64    /* keys per online-softmax step: four vectors of scores per row */
-#define ROW_GROUP 4    /* query rows computed together: 16 score accumulators */
-#define QUERY_TILE 16  /* query tokens per work item */
-#define MAX_DIM 256
+#define ROW_GROUP 4 /* query rows computed together: 16 score accumulators */
 
 static int64_t padded(int64_t len) { return (len + KEY_TILE - 1) / KEY_TILE * KEY_TILE; }
 
@@ -78,22 +64,6 @@ static void pack_tile(const PrefillJob *job, int64_t seq, int64_t kv, int64_t fi
 
 /* The highest and the sum of 16 lanes. */
 static inline float max_lanes(__m512 v) { return _mm512_reduce_max_ps(v); }
-
-/* e^x for x <= 0 (-inf included: 0), to about 1e-5 relative: enough for weights rounded to
- * bfloat16 (8 significant bits) next. x = n ln2 + r, e^r by its degree-5 Taylor polynomial, times
- * 2^n by VSCALEFPS; half the instructions of vec16.h's exp16, which the softmax spent most on. */
-static inline __m512 exp_weights(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-100.0f)); /* e^-100 and below: 0 after the scaling */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);
-    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.0f / 120), _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* acc_out[r][c .. c + n) += the tile's weights of row r times its values, n (1-4, constant where
  * inlined) vectors of 16 dimensions at a time: ROW_GROUP x n independent sums, so that the adds
@@ -138,7 +108,8 @@ static void attend_rows(const PrefillJob *job, const uint32_t *kt, const uint16_
         total[r] = 0.0f;
         for (int64_t c = 0; c < chunks; c++) acc_out[r][c] = _mm512_setzero_ps();
     }
-    const __m512 scale = _mm512_set1_ps(job->scale);
+    const float to_base2 = job->scale * LOG2_E; /* the weights are 2^(s to_base2 - max) */
+    const __m512 base2 = _mm512_set1_ps(to_base2);
     __attribute__((aligned(64))) uint16_t weights[ROW_GROUP][KEY_TILE];
     for (int64_t tile = 0; tile <= last; tile += KEY_TILE) {
         /* Scores: lane j of s[r][c] is row r's dot product with key tile + 16 c + j. */
@@ -155,11 +126,11 @@ static void attend_rows(const PrefillJob *job, const uint32_t *kt, const uint16_
                 for (int c = 0; c < 4; c++) s[r][c] = _mm512_dpbf16_ps(s[r][c], qv, k[c]);
             }
         }
-        /* Online softmax: mask the keys past each row's token, rescale by the new max. */
+        /* Online softmax: mask the keys past each row's token, rescale by the new max (of the
+         * unscaled scores: the scale is applied in the exponent). */
         for (int r = 0; r < ROW_GROUP; r++) {
             __m512 high = _mm512_set1_ps(-INFINITY);
             for (int c = 0; c < 4; c++) {
-                s[r][c] = _mm512_mul_ps(s[r][c], scale);
                 if (tile + KEY_TILE - 1 > first_masked) {
                     const __m512i key = _mm512_add_epi32(
                         _mm512_set1_epi32((int)(tile + 16 * c)),
@@ -171,12 +142,13 @@ static void attend_rows(const PrefillJob *job, const uint32_t *kt, const uint16_
                 high = _mm512_max_ps(high, s[r][c]);
             }
             const float new_top = top[r] > max_lanes(high) ? top[r] : max_lanes(high);
-            const float shrink = expf(top[r] - new_top); /* 0 at the first tile (-inf) */
+            /* 0 at the first tile (-inf) */
+            const float shrink = exp2f((top[r] - new_top) * to_base2);
             top[r] = new_top;
-            const __m512 m = _mm512_set1_ps(new_top);
+            const __m512 m = _mm512_set1_ps(new_top * to_base2);
             __m512 sum = _mm512_setzero_ps(), p[4];
             for (int c = 0; c < 4; c++) {
-                p[c] = exp_weights(_mm512_sub_ps(s[r][c], m));
+                p[c] = exp2_weights(_mm512_fmsub_ps(s[r][c], base2, m));
                 sum = _mm512_add_ps(sum, p[c]);
             }
             total[r] = total[r] * shrink + _mm512_reduce_add_ps(sum);
@@ -233,7 +205,8 @@ static void attend_item(const PrefillJob *job, int64_t seq, int64_t kv, int64_t 
     }
 }
 
-int prefill_attention_bf16(const PrefillJob *job, int num_threads) {
+int prefill_attention_bf16(const PrefillJob *job, int num_threads, int amx) {
+    if (amx && !amx_tiles_permitted()) return 4;
     const int64_t seqs = job->num_seqs, kv_heads = job->num_kv_heads, dim = job->head_dim;
     if (seqs < 1 || kv_heads < 1 || job->num_heads % kv_heads || dim % 32 || dim > MAX_DIM ||
         job->block_size < 1)
@@ -284,6 +257,7 @@ int prefill_attention_bf16(const PrefillJob *job, int num_threads) {
             pack_tile(job, s, kv, (local % tiles) * 16, (uint32_t *)(keys + at), values + at);
         }
         /* The implicit barrier above: every context is packed. Largest items first. */
+        if (amx) amx_begin();
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < first_tile[seqs]; item++) {
             const int64_t reversed = first_tile[seqs] - 1 - item;
@@ -292,9 +266,14 @@ int prefill_attention_bf16(const PrefillJob *job, int num_threads) {
             const int64_t local = reversed - first_tile[seq];
             const int64_t kv = local % kv_heads, tile = local / kv_heads;
             const int64_t at = offset[seq] + kv * padded(job->context_lens[seq]) * dim;
-            attend_item(job, seq, kv, tile * QUERY_TILE, (const uint32_t *)(keys + at),
-                        values + at);
+            if (amx)
+                attend_item_amx(job, seq, kv, tile * QUERY_TILE, (const uint32_t *)(keys + at),
+                                values + at);
+            else
+                attend_item(job, seq, kv, tile * QUERY_TILE, (const uint32_t *)(keys + at),
+                            values + at);
         }
+        if (amx) amx_end();
     }
     free(keys), free(values), free(first_tile), free(offset);
     return 0;
@@ -302,8 +281,8 @@ int prefill_attention_bf16(const PrefillJob *job, int num_threads) {
 
 #else
 
-int prefill_attention_bf16(const PrefillJob *job, int num_threads) {
-    (void)job, (void)num_threads;
+int prefill_attention_bf16(const PrefillJob *job, int num_threads, int amx) {
+    (void)job, (void)num_threads, (void)amx;
     return 4;
 }
 

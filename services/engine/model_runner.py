@@ -112,16 +112,14 @@ class ModelRunner:
         if isinstance(model, LlamaModel):  # decode steps of 1-4 sequences in one call, if it can
             model.fused_decode = FusedDecode.build(model, attention, self.layer_caches)
         if isinstance(attention, cpu_ops.CpuKernels) and dtype == torch.bfloat16:
-            sdpa, compiled = attention.prefill.measure(
-                cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-            )
-            logger.info(
-                "prefill attention at %d tokens: SDPA %.1f ms, compiled %.1f ms: using %s",
-                MEASURE_TOKENS,
-                sdpa * 1e3,
-                compiled * 1e3,
-                "the compiled kernel" if compiled < sdpa else "SDPA",
-            )
+            seconds = attention.prefill.measure(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            if seconds:
+                logger.info(
+                    "prefill attention at %d tokens: %s: using %s",
+                    MEASURE_TOKENS,
+                    ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in seconds.items()),
+                    min(seconds, key=seconds.__getitem__),
+                )
 
     def copy_blocks(self, batch: ScheduledBatch) -> None:
         """Swap out, swap in, then copy-on-write: all before this step writes any KV."""
