@@ -12,7 +12,8 @@ weigh the values, as PyTorch's CPU flash attention rounds them for a bfloat16 qu
 
 Which is fastest depends on the CPU, so it is measured, not guessed: on a 2-core Zen 4 VM the
 VDPBF16PS path ran a 2,048-token prompt 2.4x faster than SDPA; on an Emerald Rapids Xeon, where
-VDPBF16PS issues at half rate, SDPA (on AMX tiles) was 2.8x faster than it. ``measure`` times
+VDPBF16PS issues at half rate, SDPA (on AMX tiles) was 2.8x faster than it and the AMX path
+1.4-2.3x faster than SDPA (``benchmarks/cpu_kernels.py``, 512-4,096 tokens). ``measure`` times
 SDPA and each path on a prompt of the model's shape once (the model runner does, at start), and
 ``use`` then names the compiled path that serves that shape (None: SDPA).
 """

@@ -7,12 +7,15 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.sampling_params import SamplingParams, draw_seed, sequence_seed
 from services.engine.sampler import (
     Sampler,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    inverse_cdf,
 )
 from services.engine.sequence import Sequence
 
@@ -423,3 +426,39 @@ def test_draw_seeds_follow_a_shifted_request_seed():
         for index in range(3):
             for pos in (0, 1, 7):
                 assert draw_seed(shifted, index, pos) == draw_seed(seed, index + 1, pos)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    vocab=st.integers(1, 3000),
+    zeros=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), max_size=4),
+    uniforms=st.lists(
+        st.one_of(st.just(0.0), st.just(1 - 2**-53), st.floats(0, 1, exclude_max=True)),
+        min_size=1,
+        max_size=4,
+    ),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_inverse_cdf_never_draws_a_token_of_probability_zero(vocab, zeros, uniforms, seed):
+    """Whatever the uniform number (its ends included) and wherever the masked runs fall, across
+    the search's blocks or not, the token drawn has probability above 0."""
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand(len(uniforms), vocab, generator=gen)
+    for start, length in zeros:
+        first = int(start * vocab)
+        probs[:, first : first + int(length * vocab)] = 0
+    probs[:, int(seed % vocab)] = 0.5  # at least one drawable token per row
+    probs /= probs.sum(dim=-1, keepdim=True)
+    tokens = inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float64))
+    assert bool((tokens >= 0).all() and (tokens < vocab).all())
+    assert bool((probs[torch.arange(len(uniforms)), tokens] > 0).all())
+
+
+def test_inverse_cdf_splits_the_unit_interval_by_probability():
+    """A uniform number u draws the token whose cumulative range holds u: the exact map, over
+    blocks of the two-level search too."""
+    probs = torch.zeros(1, 3000)
+    probs[0, 5], probs[0, 1500], probs[0, 2999] = 0.25, 0.5, 0.25
+    cases = {0.0: 5, 0.2499: 5, 0.25: 1500, 0.7499: 1500, 0.75: 2999, 1 - 2**-53: 2999}
+    for u, token in cases.items():
+        assert inverse_cdf(probs, torch.tensor([u], dtype=torch.float64)).item() == token
