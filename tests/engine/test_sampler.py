@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from common.sampling_params import SamplingParams, draw_seed, sequence_seed
 from services.engine.sampler import (
+    TOP_CANDIDATES,
     Sampler,
+    _filter_sorted,
     apply_penalties,
     apply_top_k_top_p_min_p,
     inverse_cdf,
@@ -462,3 +464,30 @@ def test_inverse_cdf_splits_the_unit_interval_by_probability():
     cases = {0.0: 5, 0.2499: 5, 0.25: 1500, 0.7499: 1500, 0.75: 2999, 1 - 2**-53: 2999}
     for u, token in cases.items():
         assert inverse_cdf(probs, torch.tensor([u], dtype=torch.float64)).item() == token
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.sampled_from([0.01, 0.3, 1.0, 4.0]),  # logit scale: flat to peaked
+            st.one_of(st.just(0), st.integers(1, 40), st.integers(900, 2500)),  # top_k
+            st.one_of(st.just(1.0), st.floats(0.05, 0.999)),  # top_p
+            st.one_of(st.just(0.0), st.floats(0.0001, 0.5)),  # min_p
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_candidates_fast_path_keeps_what_the_full_sort_keeps(rows, seed):
+    """Over more tokens than the candidates: the same tokens kept with the same logits as the
+    full sort, for peaked rows (the fast path) and flat ones or a top_k past the candidates
+    (its fallback), rows without filters among them."""
+    vocab = TOP_CANDIDATES * 3
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([r[0] for r in rows])[:, None]
+    logits = torch.randn(len(rows), vocab, generator=gen) * scales * 10
+    top_k, top_p, min_p = ([r[i] for r in rows] for i in (1, 2, 3))
+    fast = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+    assert torch.equal(fast, _filter_sorted(logits, top_k, top_p, min_p))
