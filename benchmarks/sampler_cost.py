@@ -1,7 +1,8 @@
 """What sampling costs per decode step: the engine's ``Sampler`` on a batch of logits, greedy,
 at temperature 1, and with top_p 0.9 or top_k 50 besides; and beside them what they replaced:
-the exponential race (argmax of p / Exp(1), a random number per vocabulary entry per row, drawn
-row by row as the sampler did) and the top-p filter over a full sort of each row.
+the exponential race's noise from ``exponential_`` (the race, argmax of p / Exp(1), is still the
+draw; its noise is now -log U from ``torch.rand``) and the top-p filter over a full sort of
+each row.
 
     python benchmarks/sampler_cost.py [--rows 1,16,96] [--vocab 49152] [--repeats 7]
 
@@ -31,7 +32,8 @@ from services.engine.sequence import Sequence  # noqa: E402
 
 
 def exponential_race(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """The draw before: softmax, an Exp(1) per entry, row by row, then the argmax of p / noise."""
+    """The draw before: softmax, an Exp(1) per entry from ``exponential_``, row by row, then the
+    argmax of p / noise."""
     probs = torch.softmax(logits.float(), dim=-1)
     noise = torch.empty_like(probs)
     for i in range(probs.shape[0]):
@@ -64,7 +66,7 @@ def main() -> int:
     print("$ python benchmarks/sampler_cost.py " + " ".join(sys.argv[1:]))
     print(f"machine: {cpu_name()}")
     print(f"torch threads {torch.get_num_threads()}, the default model's bfloat16 logits")
-    columns = ("greedy", "T=1", "T=1 top_p 0.9", "T=1 top_k 50", "exp race", "sorted top_p")
+    columns = ("greedy", "T=1", "T=1 top_p 0.9", "T=1 top_k 50", "exponential_", "sorted top_p")
     print(f"{'rows':>5}" + "".join(f" {c + ' ms':>16}" for c in columns))
     sampler, generator = Sampler(), torch.Generator().manual_seed(0)
     row_counts = [int(r) for r in args.rows.split(",")]

@@ -6,18 +6,22 @@ top-k, top-p, min-p -> a draw. The logprobs are the model's, but for a row with 
 are over the tokens it allows (the others -inf), as vLLM's: what a ``choice`` of "yes" or "no"
 returns is then the two answers' odds, summing to one.
 
-A draw inverts the row's cumulative distribution at one uniform number (the first token whose
-cumulative probability exceeds it), so a seeded row takes its one number from a generator of its
-own and its output does not depend on what else is in the batch. (The exponential race, argmax
-of p / Exp(1), needs a random number per vocabulary entry: 96 rows of SmolLM2's 49,152 cost
-134-155 ms a step, more than the model's step; one number a row costs 0.2 ms.) That number is
-counter-based: the generator is re-seeded for every draw with ``draw_seed(seed, index,
-position)`` (the request's seed, the sequence's index, its number of output tokens so far), so it
-does not depend on the draws before either: a prompt computed locally, pulled or recomputed after
-a failed pull, and a preempted sequence, all give the same tokens. Unseeded rows share the
-sampler's generator. A request's ``logit_bias`` is added to its raw logits before the penalties
-(logprobs stay unbiased), and while a sequence has fewer than ``min_tokens`` output tokens its
-EOS and stop token ids are masked out.
+Draws use the exponential-race trick (argmax of p / E, E ~ Exp(1) per vocabulary entry), which
+is equivalent to sampling from p and lets a seeded row take its noise from a generator of its
+own, so its output does not depend on what else is in the batch. Its token changes only where
+the top two p / E nearly tie, so logits that differ in the last bits (another batch's GEMM, a
+pulled prompt) give the same token. Inverting the cumulative distribution at one uniform number
+would be cheaper but is not that robust: the cumulative sum carries every earlier token's
+rounding, and ``make chaos`` found seeded answers that differed from the offline engine's. The
+noise is -log U from ``torch.rand``, several times cheaper than ``exponential_``, which cost more
+than the model's step at 96 rows (``benchmarks/sampler_cost.py``). It is counter-based: the
+generator is re-seeded for every draw with ``draw_seed(seed, index, position)`` (the request's
+seed, the sequence's index, its number of output tokens so far), so it does not depend on the
+draws before either: a prompt computed locally, pulled or recomputed after a failed pull, and a
+preempted sequence, all give the same tokens. Unseeded rows share the sampler's generator. A
+request's ``logit_bias`` is added to its raw logits before the penalties (logprobs stay
+unbiased), and while a sequence has fewer than ``min_tokens`` output tokens its EOS and stop
+token ids are masked out.
 
 Structured outputs: a row with a grammar has the tokens its grammar forbids masked
 (services/engine/grammar.py), greedy rows included. The masks are computed on a thread of
@@ -192,36 +196,11 @@ class Sampler:
             top_p=[p.top_p for p in params],
             min_p=[p.min_p for p in params],
         )
-        uniforms = torch.cat(
-            [torch.rand(1, dtype=torch.float64, generator=self._generator_of(s)) for s in seqs]
-        )
-        return inverse_cdf(torch.softmax(logits, dim=-1), uniforms)
-
-
-INVERSE_CDF_BLOCK = 1024  # tokens per block of the two-level search
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Row i's token: the first whose cumulative probability exceeds ``uniforms[i]`` (in [0, 1))
-    times the row's total. Two levels, so that only one pass reads the whole vocabulary: the
-    sums of blocks of ``INVERSE_CDF_BLOCK`` tokens find the block, a float64 cumulative sum inside
-    that block the token (a whole-vocabulary float64 cumsum took 29 ms for 96 rows). The target
-    is clamped into the chosen block's own total, so rounding never moves it past the block, and
-    a token of probability 0 owns no part of [0, total): it is never drawn."""
-    rows, vocab = probs.shape
-    if vocab % INVERSE_CDF_BLOCK:  # a copy (SmolLM2's 49,152 needs none)
-        probs = torch.nn.functional.pad(probs, (0, -vocab % INVERSE_CDF_BLOCK))
-    blocks = probs.view(rows, -1, INVERSE_CDF_BLOCK)
-    # Block totals summed in float32 (to about 1e-7; in float64 they took 16 ms), accumulated
-    # across blocks in float64.
-    reach = blocks.sum(dim=-1).double().cumsum(dim=-1)  # [rows, blocks]
-    targets = (uniforms * reach[:, -1])[:, None]
-    block = torch.searchsorted(reach, targets, right=True).clamp(max=reach.shape[1] - 1)
-    before = torch.where(block > 0, reach.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inner = blocks[torch.arange(rows), block[:, 0]].double().cumsum(dim=-1)  # [rows, block]
-    within = (targets - before).clamp(min=0.0)
-    within = torch.minimum(within, torch.nextafter(inner[:, -1:], torch.zeros(())))
-    return (block * INVERSE_CDF_BLOCK + torch.searchsorted(inner, within, right=True))[:, 0]
+        noise = torch.empty_like(logits)
+        for i, seq in enumerate(seqs):
+            torch.rand(noise.shape[1], generator=self._generator_of(seq), out=noise[i])
+        noise.log_().neg_()  # Exp(1); a U of 0 gives inf, and that entry cannot win
+        return (torch.softmax(logits, dim=-1) / noise).argmax(dim=-1)
 
 
 def _plain_greedy(seq: Sequence) -> bool:
@@ -294,7 +273,8 @@ def apply_top_k_top_p_min_p(
 
     Each filter keeps a prefix of the row's tokens in descending order, so the filters first
     look at the row's ``TOP_CANDIDATES`` largest logits only (``topk``, not a sort of the
-    vocabulary: a full sort of 96 rows of 49,152 took most of a second). That is exact wherever
+    vocabulary: top_p 0.9 over 96 rows of SmolLM2's logits 103 ms against 207 sorted, top_k 50
+    71 ms, ``benchmarks/sampler_cost.py``). That is exact wherever
     the kept prefix ends inside the candidates, which each row checks; a row where it does not
     (a flat distribution, a top_k above the candidates) takes the full sort."""
     if not (any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(m > 0 for m in min_p)):

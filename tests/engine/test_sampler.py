@@ -17,7 +17,6 @@ from services.engine.sampler import (
     _filter_sorted,
     apply_penalties,
     apply_top_k_top_p_min_p,
-    inverse_cdf,
 )
 from services.engine.sequence import Sequence
 
@@ -430,40 +429,18 @@ def test_draw_seeds_follow_a_shifted_request_seed():
                 assert draw_seed(shifted, index, pos) == draw_seed(seed, index + 1, pos)
 
 
-@settings(max_examples=200, deadline=None)
-@given(
-    vocab=st.integers(1, 3000),
-    zeros=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), max_size=4),
-    uniforms=st.lists(
-        st.one_of(st.just(0.0), st.just(1 - 2**-53), st.floats(0, 1, exclude_max=True)),
-        min_size=1,
-        max_size=4,
-    ),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_inverse_cdf_never_draws_a_token_of_probability_zero(vocab, zeros, uniforms, seed):
-    """Whatever the uniform number (its ends included) and wherever the masked runs fall, across
-    the search's blocks or not, the token drawn has probability above 0."""
-    gen = torch.Generator().manual_seed(seed)
-    probs = torch.rand(len(uniforms), vocab, generator=gen)
-    for start, length in zeros:
-        first = int(start * vocab)
-        probs[:, first : first + int(length * vocab)] = 0
-    probs[:, int(seed % vocab)] = 0.5  # at least one drawable token per row
-    probs /= probs.sum(dim=-1, keepdim=True)
-    tokens = inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float64))
-    assert bool((tokens >= 0).all() and (tokens < vocab).all())
-    assert bool((probs[torch.arange(len(uniforms)), tokens] > 0).all())
-
-
-def test_inverse_cdf_splits_the_unit_interval_by_probability():
-    """A uniform number u draws the token whose cumulative range holds u: the exact map, over
-    blocks of the two-level search too."""
-    probs = torch.zeros(1, 3000)
-    probs[0, 5], probs[0, 1500], probs[0, 2999] = 0.25, 0.5, 0.25
-    cases = {0.0: 5, 0.2499: 5, 0.25: 1500, 0.7499: 1500, 0.75: 2999, 1 - 2**-53: 2999}
-    for u, token in cases.items():
-        assert inverse_cdf(probs, torch.tensor([u], dtype=torch.float64)).item() == token
+def test_a_seeded_draw_survives_logits_that_differ_in_the_last_bits():
+    """The same request's logits computed in another batch (another GEMM shape) differ by about
+    1e-6; its seeded tokens must not. A draw by the inverse CDF in vocabulary order changed
+    about 2% of them (``make chaos`` found it); the exponential race only at a near-tie."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, draws = 49_152, 300
+    logits = torch.randn(draws, vocab, generator=gen) * 3
+    nudged = logits * (1 + 1e-6 * torch.randn(draws, vocab, generator=gen))
+    seqs = [seq_with(SamplingParams(temperature=1.0, seed=s), prompt=[1]) for s in range(draws)]
+    first = Sampler()(logits, seqs).token_ids
+    second = Sampler()(nudged, seqs).token_ids
+    assert sum(a != b for a, b in zip(first, second)) <= 1
 
 
 @settings(max_examples=60, deadline=None)
