@@ -273,8 +273,8 @@ def apply_top_k_top_p_min_p(
 
     Each filter keeps a prefix of the row's tokens in descending order, so the filters first
     look at the row's ``TOP_CANDIDATES`` largest logits only (``topk``, not a sort of the
-    vocabulary: top_p 0.9 over 96 rows of SmolLM2's logits 103 ms against 207 sorted, top_k 50
-    71 ms, ``benchmarks/sampler_cost.py``). That is exact wherever
+    vocabulary: top_p 0.9 over 96 rows of SmolLM2's logits took 0.5-0.6x the sort's time,
+    ``benchmarks/sampler_cost.py``). That is exact wherever
     the kept prefix ends inside the candidates, which each row checks; a row where it does not
     (a flat distribution, a top_k above the candidates) takes the full sort."""
     if not (any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(m > 0 for m in min_p)):
