@@ -38,7 +38,7 @@ typedef struct {
  * into one multiply-add, t = s (scale log2 e) - max (scale log2 e). t = n + f with |f| <= 1/2,
  * 2^f by its degree-5 Taylor polynomial, times 2^n by VSCALEFPS. Below -126 (no normal float32)
  * it gives 0: a denormal result there costs a microcode assist on Intel cores, and the masked
- * keys on a causal diagonal all land there (the diagonal's softmax ran 9x slower with them). */
+ * keys on a causal diagonal all land there (the diagonal's softmax ran several times slower). */
 static inline __m512 exp2_weights(__m512 t) {
     const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_GT_OQ);
     t = _mm512_max_ps(t, _mm512_set1_ps(-127.0f));

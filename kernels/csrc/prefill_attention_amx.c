@@ -17,7 +17,7 @@
  *           dimensions at a time, loaded and stored once a span.
  * Spans of 256 rather than 64 keys: a tile that loads what the vector unit has just stored (P,
  * and O after a rescale) waits for those stores, and the per-row bookkeeping (maxima, sums,
- * rescales) is paid once a span; 1.3x faster. Scores are exact bfloat16 products summed in
+ * rescales) is paid once a span. Scores are exact bfloat16 products summed in
  * float32, in the tile unit's order. Query rows past a sequence's last token are zeros in a
  * private copy and are not stored.
  *
@@ -133,7 +133,7 @@ static void weigh_values(const uint16_t *weights, const uint16_t *values, int64_
 /* One row's online-softmax step over its `scores` of `keys` (a multiple of 64, at most SPAN)
  * from `tile`, keys past `pos` masked: its weights into `weights` as bfloat16, its running max
  * (of the unscaled scores) and sum updated, its output row rescaled where the max grew. Four
- * independent maxima and two sums: one chain each left a row's latency exposed (7% slower). */
+ * independent maxima and two sums: one chain each left a row's latency exposed. */
 static void softmax_row(const float *scores, int64_t keys, int64_t tile, int64_t pos,
                         float to_base2, float *top, float *total, uint16_t *weights, float *o,
                         int64_t dim) {

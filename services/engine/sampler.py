@@ -288,8 +288,11 @@ def apply_top_k_top_p_min_p(
     drop = position >= kept_by_k
     # Probabilities over what top-k keeps: its candidates' where k fits, else the whole row's.
     within = values.masked_fill(drop, float("-inf")).logsumexp(dim=-1, keepdim=True)
-    whole = logits.logsumexp(dim=-1, keepdim=True)
-    normalizer = torch.where(kept_by_k <= TOP_CANDIDATES, within, whole)
+    if bool((kept_by_k > TOP_CANDIDATES).any()):  # a pass over every logit: only if needed
+        whole = logits.logsumexp(dim=-1, keepdim=True)
+        normalizer = torch.where(kept_by_k <= TOP_CANDIDATES, within, whole)
+    else:
+        normalizer = within
     probs = (values - normalizer).exp().masked_fill(drop, 0.0)
     drop |= (probs.cumsum(dim=-1) - probs) >= _top_p_thresholds(top_p)
     drop |= probs < torch.tensor(min_p)[:, None] * probs[:, :1]
