@@ -1,8 +1,9 @@
-"""What sampling costs per decode step: the engine's ``Sampler`` on a batch of logits, greedy,
-at temperature 1, and with top_p 0.9 or top_k 50 besides; and beside them what they replaced:
-the exponential race's noise from ``exponential_`` (the race, argmax of p / Exp(1), is still the
-draw; its noise is now -log U from ``torch.rand``) and the top-p filter over a full sort of
-each row.
+"""What sampling costs per decode step: the engine's ``Sampler`` (with the compiled kernels,
+where they build) on a batch of logits, greedy, at temperature 1, and with top_p 0.9 or top_k
+50 besides; and beside them what they replaced: the exponential race (argmax of p / Exp(1)) with
+its noise from ``exponential_`` per row, then from ``torch.rand`` (-log U) per row, and the top-p
+filter over a full sort of each row. The race now hashes its noise in one compiled pass
+(``kernels/csrc/sampling_cpu.c``); the last column is the ratio of the torch.rand race to it.
 
     python benchmarks/sampler_cost.py [--rows 1,16,96] [--vocab 49152] [--repeats 7]
 
@@ -27,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 from machine import cpu_name, median_seconds  # noqa: E402  (benchmarks/, on sys.path)
 
 from common.sampling_params import SamplingParams  # noqa: E402
+from kernels import cpu_ops  # noqa: E402
+from services.engine.config import DEFAULT_CACHE_DIR  # noqa: E402
 from services.engine.sampler import Sampler, _filter_sorted  # noqa: E402
 from services.engine.sequence import Sequence  # noqa: E402
 
@@ -39,6 +42,16 @@ def exponential_race(logits: torch.Tensor, generator: torch.Generator) -> torch.
     for i in range(probs.shape[0]):
         noise[i].exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def rand_race(logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The draw before the compiled race: softmax, -log U from ``torch.rand`` per row, then the
+    argmax of p / noise."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    noise = torch.empty_like(probs)
+    for i in range(probs.shape[0]):
+        torch.rand(noise.shape[1], generator=generator, out=noise[i])
+    return (probs / noise.log_().neg_()).argmax(dim=-1)
 
 
 def model_logits(rows: int) -> torch.Tensor:
@@ -66,9 +79,16 @@ def main() -> int:
     print("$ python benchmarks/sampler_cost.py " + " ".join(sys.argv[1:]))
     print(f"machine: {cpu_name()}")
     print(f"torch threads {torch.get_num_threads()}, the default model's bfloat16 logits")
-    columns = ("greedy", "T=1", "T=1 top_p 0.9", "T=1 top_k 50", "exponential_", "sorted top_p")
-    print(f"{'rows':>5}" + "".join(f" {c + ' ms':>16}" for c in columns))
-    sampler, generator = Sampler(), torch.Generator().manual_seed(0)
+    columns = ("greedy", "T=1", "T=1 top_p 0.9", "T=1 top_k 50")
+    columns += ("exponential_", "torch.rand race", "sorted top_p")
+    print(f"{'rows':>5}" + "".join(f" {c + ' ms':>16}" for c in columns) + "  rand race / T=1")
+    kernels = cpu_ops.load(DEFAULT_CACHE_DIR / "kernels")
+    if kernels is None:
+        print("the compiled kernels did not build: the sampler's PyTorch reference")
+        sampler = Sampler()
+    else:
+        sampler = Sampler(argmax=kernels.argmax_rows, race=kernels.race_rows)
+    generator = torch.Generator().manual_seed(0)
     row_counts = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
         all_logits = model_logits(max(row_counts))
@@ -86,10 +106,12 @@ def main() -> int:
             wide = logits.float()
             calls = [partial(sampler, logits, batch) for batch in batches] + [
                 partial(exponential_race, logits, generator),
+                partial(rand_race, logits, generator),
                 partial(_filter_sorted, wide, [0] * rows, [0.9] * rows, [0.0] * rows),
             ]
             cells = [median_seconds(call, args.repeats) * 1e3 for call in calls]
-            print(f"{rows:>5}" + "".join(f" {c:>16.2f}" for c in cells))
+            ratio = cells[5] / cells[1]
+            print(f"{rows:>5}" + "".join(f" {c:>16.2f}" for c in cells) + f"  {ratio:>15.1f}x")
     return 0
 
 

@@ -319,6 +319,9 @@ class CpuKernels:
         self._argmax = lib.argmax_rows
         self._argmax.argtypes = [ptr, ptr, i64, i64, i32, i32]
         self._argmax.restype = ctypes.c_int
+        self._race = lib.race_rows
+        self._race.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+        self._race.restype = ctypes.c_int
         # No rows: 1 (arguments it does not take) from a VNNI build, NO_VNNI from another.
         self.int8_vnni = self._linear_int8(None, None, None, None, None, None, 0, 0, 0, 0, 1) != (
             NO_VNNI
@@ -624,6 +627,38 @@ class CpuKernels:
             torch.get_num_threads(),
         )
         _check_status(status, "argmax_rows")
+        return out
+
+    def race_rows(
+        self, logits: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor
+    ) -> torch.Tensor:
+        """Same contract as ``reference.race_rows`` (the same noise bits; a token differs only
+        where two scores tie to the last bit or so: the logarithms differ there)."""
+        rows = logits.shape[0] if logits.dim() == 2 else -1
+        if (
+            rows < 0
+            or not 0 < logits.shape[1] < 2**32
+            or logits.dtype not in CACHE_DTYPES
+            or not logits.is_cpu
+            or not logits.is_contiguous()
+            or scale.shape != (rows,)
+            or keys.shape != (rows,)
+        ):
+            return reference.race_rows(logits, scale, keys)
+        scale = scale.to(torch.float32).contiguous()
+        keys = keys.to(torch.int64).contiguous()
+        out = torch.empty(rows, dtype=torch.int64)
+        status = self._race(
+            logits.data_ptr(),
+            scale.data_ptr(),
+            keys.data_ptr(),
+            out.data_ptr(),
+            rows,
+            logits.shape[1],
+            logits.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "race_rows")
         return out
 
     def quantize_rows_int8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

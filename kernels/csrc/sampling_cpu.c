@@ -1,5 +1,6 @@
 /*
- * Greedy sampling's argmax over a batch of logit rows, for the CPU, in the model's dtype.
+ * Sampling's last step over a batch of logit rows, for the CPU, in the model's dtype: greedy
+ * rows take the argmax, the others the exponential race (race_rows, below).
  *
  * At a decode batch of 64 the LM head's logits are 64 x the vocabulary (3.1 M values for a 49k
  * vocabulary): widening them to float32 and reducing them with PyTorch's max took about 1.6 ms
@@ -79,5 +80,120 @@ int argmax_rows(const void *x, int64_t *out, int64_t rows, int64_t n, int bf16,
 #pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++)
         out[r] = bf16 ? row_argmax(x, r, n, 1) : row_argmax(x, r, n, 0);
+    return 0;
+}
+
+/* ---- The exponential race ------------------------------------------------------------------
+ *
+ * A draw from softmax(x * scale) is the argmax over the vocabulary of p_i / E_i with E_i ~ Exp(1)
+ * independent, that is of x_i * scale - log(E_i) (the row's normalizer is the same for every
+ * i). E_i = -log(U_i), and U_i comes from a counter-based hash of (the row's 64-bit key, i), so
+ * a row's draw depends on its key and logits only, never on the batch around it, and needs no
+ * random generator state. The winner changes only where the top two scores nearly tie, so
+ * logits that differ in the last bits (another batch shape's GEMM) give the same token.
+ * kernels/reference.py's race_rows computes the same noise bits with PyTorch; its logarithm may
+ * differ from log16's in the last bit, which moves a token only at such a near-tie.
+ */
+
+/* lowbias32, a 32-bit integer mix with good avalanche (constants from Chris Wellons's hash
+ * prospector); a bijection, so the vocabulary's indices get distinct bits within a row. */
+ALWAYS_INLINE u32x16 mix32(u32x16 x) {
+    x ^= x >> 16;
+    x *= 0x7feb352du;
+    x ^= x >> 15;
+    x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+
+/* U in (0, 1), exactly ((bits >> 9) + 0.5) / 2^23: never 0 or 1, so -log U is finite and
+ * positive and its log finite too. */
+ALWAYS_INLINE vec16 uniform16(u32x16 column, uint32_t key_low, uint32_t key_high) {
+    const u32x16 bits = mix32(mix32(column ^ key_low) ^ key_high);
+    return (__builtin_convertvector(bits >> 9, vec16) + 0.5f) * (1.0f / 8388608.0f);
+}
+
+/* 1 / x for x in [1.7, 2.5): VRCP14PS (relative error below 2^-14) and a Newton step (below
+ * 2^-27), several times cheaper than a division; a division elsewhere. */
+ALWAYS_INLINE vec16 reciprocal16(vec16 x) {
+#if defined(__AVX512F__)
+    __m512 v;
+    memcpy(&v, &x, sizeof v);
+    const __m512 r = _mm512_rcp14_ps(v);
+    vec16 guess;
+    memcpy(&guess, &r, sizeof guess);
+    return guess * (2.0f - x * guess);
+#else
+    return 1.0f / x;
+#endif
+}
+
+/* The natural log of positive normal floats, relatively accurate near 1 too (where -log U for U
+ * close to 1 is tiny): x = 2^e m with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s) with
+ * s = (m - 1) / (m + 1), |s| < 0.172, by its series to s^11 (truncation below 5e-9). */
+ALWAYS_INLINE vec16 log16(vec16 x) {
+    const u32x16 bits = as_bits(x);
+    i32x16 exponent = (i32x16)(bits >> 23) - 127;
+    vec16 m = as_float((bits & 0x7fffffu) | 0x3f800000u); /* [1, 2) */
+    const i32x16 high = m > 1.41421356f;
+    m = blend(m, m * 0.5f, high);
+    exponent -= high; /* a true compare is all ones: -1 */
+    const vec16 s = (m - 1.0f) * reciprocal16(m + 1.0f), s2 = s * s;
+    vec16 series = s2 * (1.0f / 11) + (1.0f / 9);
+    series = series * s2 + (1.0f / 7);
+    series = series * s2 + (1.0f / 5);
+    series = series * s2 + (1.0f / 3);
+    series = series * s2 + 1.0f;
+    return __builtin_convertvector(exponent, vec16) * 0.693147180559945f + 2.0f * s * series;
+}
+
+/* Row `row`'s winner: the first maximum of x * scale - log(-log U); a NaN score never wins, an
+ * all -inf row gives 0. The last partial vector is padded with -inf, so every column takes the
+ * same vector arithmetic. */
+ALWAYS_INLINE int64_t row_race(const void *x, int64_t row, int64_t n, float scale, uint64_t key,
+                               int bf16) {
+    const int64_t base = row * n;
+    const uint32_t key_low = (uint32_t)key, key_high = (uint32_t)(key >> 32);
+    const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vec16 best = (vec16){0} - INFINITY;
+    i32x16 where = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        vec16 v;
+        if (i + LANES <= n) {
+            v = load(x, base + i, bf16);
+        } else {
+            v = (vec16){0} - INFINITY;
+            for (int64_t j = i; j < n; j++) v[j - i] = scalar_at(x, base + j, bf16);
+        }
+        const u32x16 column = lane + (uint32_t)i;
+        const vec16 score = v * scale - log16(-log16(uniform16(column, key_low, key_high)));
+        const i32x16 take = score > best;
+        best = blend(best, score, take);
+        where = (where & ~take) | ((i32x16)column & take);
+    }
+    float top = -INFINITY;
+    int64_t index = 0;
+    for (int l = 0; l < LANES; l++)
+        if (best[l] > top || (best[l] == top && where[l] < index && best[l] > -INFINITY)) {
+            top = best[l];
+            index = where[l];
+        }
+    return index;
+}
+
+/* out [rows] (int64): for a row with scale > 0 the exponential race over x * scale with noise
+ * keyed by keys[row] (a uint64), for a row with scale <= 0 its argmax (argmax_rows'); x [rows, n]
+ * float32 or bfloat16 (`bf16`), contiguous. Returns 0, or 1 for sizes it does not take. */
+int race_rows(const void *x, const float *scale, const uint64_t *keys, int64_t *out,
+              int64_t rows, int64_t n, int bf16, int num_threads) {
+    if (rows < 0 || n <= 0 || n > UINT32_MAX || num_threads <= 0) return 1;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        if (scale[r] <= 0)
+            out[r] = bf16 ? row_argmax(x, r, n, 1) : row_argmax(x, r, n, 0);
+        else
+            out[r] = bf16 ? row_race(x, r, n, scale[r], keys[r], 1)
+                          : row_race(x, r, n, scale[r], keys[r], 0);
+    }
     return 0;
 }

@@ -122,8 +122,10 @@ class LLMEngine:
             mcfg.vocab_size,
             sorted(self.tokenizer.eos_token_ids),
         )
-        argmax = getattr(backend, "argmax_rows", reference.argmax_rows)  # the compiled one on CPU
-        self.sampler = Sampler(config.seed, self.grammars, argmax)
+        # The compiled argmax and race on CPU, where built.
+        argmax = getattr(backend, "argmax_rows", reference.argmax_rows)
+        race = getattr(backend, "race_rows", reference.race_rows)
+        self.sampler = Sampler(config.seed, self.grammars, argmax, race)
         self.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # min_tokens
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         vocab = mcfg.vocab_size

@@ -6,19 +6,23 @@ top-k, top-p, min-p -> a draw. The logprobs are the model's, but for a row with 
 are over the tokens it allows (the others -inf), as vLLM's: what a ``choice`` of "yes" or "no"
 returns is then the two answers' odds, summing to one.
 
-Draws use the exponential-race trick (argmax of p / E, E ~ Exp(1) per vocabulary entry), which
-is equivalent to sampling from p and lets a seeded row take its noise from a generator of its
-own, so its output does not depend on what else is in the batch. Its token changes only where
-the top two p / E nearly tie, so logits that differ in the last bits (another batch's GEMM, a
-pulled prompt) give the same token. Inverting the cumulative distribution at one uniform number
-would be cheaper but is not that robust: the cumulative sum carries every earlier token's
-rounding, and ``make chaos`` found seeded answers that differed from the offline engine's. The
-noise is -log U from ``torch.rand``, several times cheaper than ``exponential_``, which cost more
-than the model's step at 96 rows (``benchmarks/sampler_cost.py``). It is counter-based: the
-generator is re-seeded for every draw with ``draw_seed(seed, index, position)`` (the request's
-seed, the sequence's index, its number of output tokens so far), so it does not depend on the
-draws before either: a prompt computed locally, pulled or recomputed after a failed pull, and a
-preempted sequence, all give the same tokens. Unseeded rows share the sampler's generator. A
+Draws use the exponential race: the argmax over the vocabulary of p / E with E ~ Exp(1) per
+entry, that is of ``logits / temperature - log E``, which is a draw from p. Its noise is keyed,
+not streamed: E comes from a hash of (the row's key, the token id) (``race_rows`` in
+``kernels/reference.py`` and, compiled, ``kernels/csrc/sampling_cpu.c``), so a row's token depends
+on its key and its logits only, never on the batch around it. A seeded row's key is
+``draw_seed(seed, index, position)`` (the request's seed, the sequence's index, its number of
+output tokens so far): a prompt computed locally, pulled or recomputed after a failed pull, and a
+preempted sequence, all give the same tokens. Unseeded rows take keys from the sampler's
+generator. The winner changes only where the top two scores nearly tie, so logits that differ
+in the last bits (another batch's GEMM, a pulled prompt) give the same token. Inverting the
+cumulative distribution at one uniform number would be as cheap but is not that robust: the
+cumulative sum carries every earlier token's rounding, and ``make chaos`` found seeded answers
+that differed from the offline engine's. Noise drawn per entry from a generator cost more than
+the model's step at 96 rows; the compiled race reads the logits once
+(``benchmarks/sampler_cost.py``). A row's score is its raw logit times 1 / temperature whatever
+else the batch holds (a top-k, top-p or min-p row only has the tokens its filters drop set to
+-inf), so the same row gives the same bits on every path. A
 request's ``logit_bias`` is added to its raw logits before the penalties (logprobs stay
 unbiased), and while a sequence has fewer than ``min_tokens`` output tokens its EOS and stop
 token ids are masked out.
@@ -31,10 +35,11 @@ needs a byte no token of the vocabulary holds) is a dead end: its token is not t
 the result names the row (``SampleResult.dead_ends``) for the engine to end the sequence.
 
 A batch of plain greedy rows takes the argmax of the logits as the model computed them, on their
-device and in the model's dtype (on CPU the compiled kernel, ``kernels.cpu_ops``, where built);
-any other row brings the batch's logits to the host in float32 first, so draws, penalties and
-masks run on the CPU generators and CPU tensors the CPU engine uses, and a seeded request gives
-the same tokens wherever its logits were computed.
+device and in the model's dtype (on CPU the compiled kernel, ``kernels.cpu_ops``, where built).
+A batch of plain rows, greedy or with only a temperature, is raced on the host in the model's
+dtype (a bfloat16 widens to float32 exactly). Any other batch is brought to the host in float32
+first, so penalties, masks and filters run on CPU tensors. Either way a seeded request gives the
+same tokens wherever its logits were computed.
 """
 
 from __future__ import annotations
@@ -53,6 +58,9 @@ from services.engine.sequence import Sequence
 
 # A prepared mask row is for a sequence at a given length: (seq_id, num_output_tokens).
 MaskKey = tuple[int, int]
+# The race: (logits [rows, vocab], scale [rows], keys [rows]) -> tokens (``reference.race_rows``).
+Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+RACE_DTYPES = (torch.float32, torch.bfloat16)  # what the race reads without widening first
 
 
 @dataclass
@@ -80,10 +88,11 @@ class Sampler:
         seed: int = 0,
         grammars: Grammars | None = None,
         argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
+        race: Race = reference.race_rows,
     ):
-        self.argmax = argmax  # each row's first maximum (the compiled CPU kernel's, where built)
-        self.generator = torch.Generator().manual_seed(seed)
-        self._seeded = torch.Generator()  # re-seeded before each seeded row's draw
+        # Each row's first maximum, and the race (the compiled CPU kernel's, where built).
+        self.argmax, self.race = argmax, race
+        self.generator = torch.Generator().manual_seed(seed)  # unseeded rows' keys
         self.grammars = grammars
         self._matchers: dict[int, SequenceMatcher] = {}
         self._mask_thread: ThreadPoolExecutor | None = None
@@ -150,11 +159,17 @@ class Sampler:
             apply_bitmask(logits, bitmask, masked)
         return frozenset(i for i, key in zip(structured, keys) if key in masks.dead_ends)
 
-    def _generator_of(self, seq: Sequence) -> torch.Generator:
-        seed = seq.params.seed
-        if seed is None:
-            return self.generator
-        return self._seeded.manual_seed(draw_seed(seed, seq.index, seq.num_output_tokens))
+    def _race_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's scale (1 / temperature; 0 for a greedy row: the argmax) and noise key
+        (int64 holding the uint64: the seeded draw's ``draw_seed``, else from the generator)."""
+        params = [s.params for s in seqs]
+        scale = torch.tensor([0.0 if p.is_greedy else 1 / p.temperature for p in params])
+        keys = torch.randint(-(2**63), 2**63 - 1, (len(seqs),), generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.params.seed is not None:
+                key = draw_seed(seq.params.seed, seq.index, seq.num_output_tokens)
+                keys[i] = key - 2**64 if key >= 2**63 else key
+        return scale, keys
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -162,6 +177,11 @@ class Sampler:
         bfloat16 widens to float32 exactly, so the argmax is the same); any other is widened."""
         if all(_plain_greedy(s) for s in seqs):
             return SampleResult(self.argmax(logits).tolist(), [None] * len(seqs))
+        if all(_plain(s) for s in seqs):  # the race reads the model's dtype as it is
+            host = logits.cpu() if logits.dtype in RACE_DTYPES else logits.float().cpu()
+            return SampleResult(
+                self.race(host, *self._race_inputs(seqs)).tolist(), [None] * len(seqs)
+            )
         logits = logits.float().cpu()
         params = [s.params for s in seqs]
         dead_ends = self._apply_grammars(logits, seqs)  # before the logprobs, as vLLM's
@@ -176,39 +196,49 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
-        greedy = torch.tensor([p.is_greedy for p in params])
-        tokens = self.argmax(logits)
-        if not bool(greedy.all()):
-            sampled_rows = (~greedy).nonzero().flatten().tolist()
-            sampled = self._sample(logits[sampled_rows], [seqs[i] for i in sampled_rows])
-            tokens[sampled_rows] = sampled
-        token_list = tokens.tolist()
+        filtered = [i for i, p in enumerate(params) if not p.is_greedy and _has_filter(p)]
+        if filtered:
+            logits = _drop_filtered(logits, filtered, params)
+        token_list = self.race(logits, *self._race_inputs(seqs)).tolist()
         logprobs = _gather_logprobs(raw_logprobs, token_list, params)
         return SampleResult(token_list, logprobs, dead_ends)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        params = [s.params for s in seqs]
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-        logits = logits / temperature[:, None]
-        logits = apply_top_k_top_p_min_p(
-            logits,
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-        )
-        noise = torch.empty_like(logits)
-        for i, seq in enumerate(seqs):
-            torch.rand(noise.shape[1], generator=self._generator_of(seq), out=noise[i])
-        noise.log_().neg_()  # Exp(1); a U of 0 gives inf, and that entry cannot win
-        return (torch.softmax(logits, dim=-1) / noise).argmax(dim=-1)
+
+def _has_filter(p) -> bool:
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
+def _drop_filtered(logits: torch.Tensor, rows: list[int], params: list) -> torch.Tensor:
+    """``logits`` with -inf where the top-k, top-p and min-p filters of ``rows`` drop a token
+    (judged on logits / temperature, as the filters are defined); the kept logits unchanged."""
+    temperature = torch.tensor([params[i].temperature for i in rows])[:, None]
+    kept = apply_top_k_top_p_min_p(
+        logits[rows] / temperature,
+        top_k=[params[i].top_k for i in rows],
+        top_p=[params[i].top_p for i in rows],
+        min_p=[params[i].min_p for i in rows],
+    )
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(kept == float("-inf"), float("-inf"))
+    return logits
+
+
+def _plain(seq: Sequence) -> bool:
+    """Greedy or sampled with a temperature only: no filter and nothing ``_plain_greedy``
+    excludes."""
+    p = seq.params
+    return (p.is_greedy or not _has_filter(p)) and _plain_greedy_but_temperature(seq)
 
 
 def _plain_greedy(seq: Sequence) -> bool:
     """Only an argmax: no logprobs, bias, min_tokens, penalties or grammar."""
+    return seq.params.is_greedy and _plain_greedy_but_temperature(seq)
+
+
+def _plain_greedy_but_temperature(seq: Sequence) -> bool:
     p = seq.params
     return (
-        p.is_greedy
-        and p.logprobs is None
+        p.logprobs is None
         and not p.logit_bias
         and seq.num_output_tokens >= p.min_tokens
         and not p.needs_penalties
