@@ -2,8 +2,10 @@
 where they build) on a batch of logits, greedy, at temperature 1, and with top_p 0.9 or top_k
 50 besides; and beside them what they replaced: the exponential race (argmax of p / Exp(1)) with
 its noise from ``exponential_`` per row, then from ``torch.rand`` (-log U) per row, and the top-p
-filter over a full sort of each row. The race now hashes its noise in one compiled pass
-(``kernels/csrc/sampling_cpu.c``); the last column is the ratio of the torch.rand race to it.
+filter over a full sort of each row (``reference.filter_floors``). The race now hashes its noise
+in one compiled pass and the filters find each row's floor without a sort
+(``kernels/csrc/sampling_cpu.c``); the last two columns are the ratios of the torch.rand race
+to it and of the sorted top-p filter to the whole top_p 0.9 draw.
 
     python benchmarks/sampler_cost.py [--rows 1,16,96] [--vocab 49152] [--repeats 7]
 
@@ -28,9 +30,9 @@ sys.path.insert(0, str(ROOT))
 from machine import cpu_name, median_seconds  # noqa: E402  (benchmarks/, on sys.path)
 
 from common.sampling_params import SamplingParams  # noqa: E402
-from kernels import cpu_ops  # noqa: E402
+from kernels import cpu_ops, reference  # noqa: E402
 from services.engine.config import DEFAULT_CACHE_DIR  # noqa: E402
-from services.engine.sampler import Sampler, _filter_sorted  # noqa: E402
+from services.engine.sampler import Sampler  # noqa: E402
 from services.engine.sequence import Sequence  # noqa: E402
 
 
@@ -81,13 +83,19 @@ def main() -> int:
     print(f"torch threads {torch.get_num_threads()}, the default model's bfloat16 logits")
     columns = ("greedy", "T=1", "T=1 top_p 0.9", "T=1 top_k 50")
     columns += ("exponential_", "torch.rand race", "sorted top_p")
-    print(f"{'rows':>5}" + "".join(f" {c + ' ms':>16}" for c in columns) + "  rand race / T=1")
+    print(
+        f"{'rows':>5}"
+        + "".join(f" {c + ' ms':>16}" for c in columns)
+        + "  rand race / T=1  sorted / top_p"
+    )
     kernels = cpu_ops.load(DEFAULT_CACHE_DIR / "kernels")
     if kernels is None:
         print("the compiled kernels did not build: the sampler's PyTorch reference")
         sampler = Sampler()
     else:
-        sampler = Sampler(argmax=kernels.argmax_rows, race=kernels.race_rows)
+        sampler = Sampler(
+            argmax=kernels.argmax_rows, race=kernels.race_rows, floors=kernels.filter_floors
+        )
     generator = torch.Generator().manual_seed(0)
     row_counts = [int(r) for r in args.rows.split(",")]
     with torch.inference_mode():
@@ -104,14 +112,16 @@ def main() -> int:
                 )
             ]
             wide = logits.float()
+            sorted_top_p = (torch.ones(rows), torch.zeros(rows), torch.full((rows,), 0.9))
+            sorted_top_p += (torch.zeros(rows),)
             calls = [partial(sampler, logits, batch) for batch in batches] + [
                 partial(exponential_race, logits, generator),
                 partial(rand_race, logits, generator),
-                partial(_filter_sorted, wide, [0] * rows, [0.9] * rows, [0.0] * rows),
+                partial(reference.filter_floors, wide, *sorted_top_p),
             ]
             cells = [median_seconds(call, args.repeats) * 1e3 for call in calls]
-            ratio = cells[5] / cells[1]
-            print(f"{rows:>5}" + "".join(f" {c:>16.2f}" for c in cells) + f"  {ratio:>15.1f}x")
+            ratios = f"  {cells[5] / cells[1]:>15.1f}x  {cells[6] / cells[2]:>13.1f}x"
+            print(f"{rows:>5}" + "".join(f" {c:>16.2f}" for c in cells) + ratios)
     return 0
 
 

@@ -320,8 +320,11 @@ class CpuKernels:
         self._argmax.argtypes = [ptr, ptr, i64, i64, i32, i32]
         self._argmax.restype = ctypes.c_int
         self._race = lib.race_rows
-        self._race.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+        self._race.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32]
         self._race.restype = ctypes.c_int
+        self._floors = lib.filter_floors
+        self._floors.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i32, i32]
+        self._floors.restype = ctypes.c_int
         # No rows: 1 (arguments it does not take) from a VNNI build, NO_VNNI from another.
         self.int8_vnni = self._linear_int8(None, None, None, None, None, None, 0, 0, 0, 0, 1) != (
             NO_VNNI
@@ -630,35 +633,65 @@ class CpuKernels:
         return out
 
     def race_rows(
-        self, logits: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        scale: torch.Tensor,
+        keys: torch.Tensor,
+        floors: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Same contract as ``reference.race_rows`` (the same noise bits; a token differs only
         where two scores tie to the last bit or so: the logarithms differ there)."""
-        rows = logits.shape[0] if logits.dim() == 2 else -1
-        if (
-            rows < 0
-            or not 0 < logits.shape[1] < 2**32
-            or logits.dtype not in CACHE_DTYPES
-            or not logits.is_cpu
-            or not logits.is_contiguous()
-            or scale.shape != (rows,)
-            or keys.shape != (rows,)
-        ):
-            return reference.race_rows(logits, scale, keys)
+        if not _sampling_takes(logits, scale, keys, floors):
+            return reference.race_rows(logits, scale, keys, floors)
+        rows, n = logits.shape
         scale = scale.to(torch.float32).contiguous()
         keys = keys.to(torch.int64).contiguous()
+        floors = None if floors is None else floors.to(torch.float32).contiguous()
         out = torch.empty(rows, dtype=torch.int64)
         status = self._race(
             logits.data_ptr(),
             scale.data_ptr(),
             keys.data_ptr(),
+            None if floors is None else floors.data_ptr(),
             out.data_ptr(),
             rows,
-            logits.shape[1],
+            n,
             logits.dtype == torch.bfloat16,
             torch.get_num_threads(),
         )
         _check_status(status, "race_rows")
+        return out
+
+    def filter_floors(
+        self,
+        logits: torch.Tensor,
+        scale: torch.Tensor,
+        top_k: torch.Tensor,
+        top_p: torch.Tensor,
+        min_p: torch.Tensor,
+    ) -> torch.Tensor:
+        """Same contract as ``reference.filter_floors``, without a sort (a floor differs only
+        where a mass ties top_p to float32 rounding: the sums' order differs)."""
+        if not _sampling_takes(logits, scale, top_k, top_p, min_p):
+            return reference.filter_floors(logits, scale, top_k, top_p, min_p)
+        rows, n = logits.shape
+        args = [
+            scale.to(torch.float32).contiguous(),
+            top_k.to(torch.int64).contiguous(),
+            top_p.to(torch.float32).contiguous(),
+            min_p.to(torch.float32).contiguous(),
+        ]
+        out = torch.empty(rows, dtype=torch.float32)
+        status = self._floors(
+            logits.data_ptr(),
+            *(a.data_ptr() for a in args),
+            out.data_ptr(),
+            rows,
+            n,
+            logits.dtype == torch.bfloat16,
+            torch.get_num_threads(),
+        )
+        _check_status(status, "filter_floors")
         return out
 
     def quantize_rows_int8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -785,6 +818,21 @@ class Int8SmallBatch:
         )
         _check_status(status, "linear_int8")
         return out
+
+
+def _sampling_takes(logits: torch.Tensor, *per_row: torch.Tensor | None) -> bool:
+    """Whether the compiled sampling kernels take these: contiguous float32 or bfloat16 rows on
+    the CPU, fewer than 2^32 columns, a value per row in each of ``per_row`` (None: absent)."""
+    if logits.dim() != 2:
+        return False
+    rows, n = logits.shape
+    return (
+        0 < n < 2**32
+        and logits.dtype in CACHE_DTYPES
+        and logits.is_cpu
+        and logits.is_contiguous()
+        and all(t is None or t.shape == (rows,) for t in per_row)
+    )
 
 
 def _bias_fits(bias: torch.Tensor | None, out_features: int) -> bool:

@@ -300,14 +300,22 @@ def race_noise(keys: torch.Tensor, n: int) -> torch.Tensor:
     return ((bits >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
-def race_rows(logits: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def race_rows(
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    keys: torch.Tensor,
+    floors: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Sampling's draw (int64 ``[rows]``) from ``logits`` ``[rows, vocab]``: a row with scale > 0
-    draws from softmax(logits * scale) by the exponential race, the first maximum of
-    ``logits * scale - log(-log U)`` with U from ``race_noise`` keyed by the row's ``keys``
-    (a NaN score never wins); a row with scale <= 0 takes its argmax (``argmax_rows``)."""
+    draws from softmax(logits * scale) over its logits >= ``floors`` (``filter_floors``; None:
+    all) by the exponential race, the first maximum of ``logits * scale - log(-log U)`` with U
+    from ``race_noise`` keyed by the row's ``keys`` (a NaN score never wins); a row with
+    scale <= 0 takes its argmax (``argmax_rows``)."""
     if logits.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64)
     x = logits.float()
+    if floors is not None:
+        x = x.masked_fill(x < floors.float()[:, None], float("-inf"))
     noise = torch.log(-torch.log(race_noise(keys.to(torch.int64), x.shape[1])))
     score = x * scale.float()[:, None] - noise
     score = score.masked_fill(score.isnan(), float("-inf"))
@@ -316,6 +324,44 @@ def race_rows(logits: torch.Tensor, scale: torch.Tensor, keys: torch.Tensor) -> 
     if bool(greedy.any()):
         tokens[greedy] = argmax_rows(logits[greedy])
     return tokens
+
+
+def filter_floors(
+    logits: torch.Tensor,
+    scale: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """Each row's floor (float32 ``[rows]``): the smallest logit its top-k, top-p and min-p
+    filters keep, -inf where they drop nothing; the filters keep exactly the logits >= it.
+
+    Judged on y = logits * scale (logits / temperature) with w = exp(y - max y): top-k (k > 0)
+    keeps the k largest logits and any equal to the k-th; top-p (< 1) keeps a token while the
+    mass of the strictly larger logits within top-k's set is below top_p times that set's mass
+    (the most likely token always stays; equal logits stay or go together); min-p (> 0) keeps
+    w >= min_p. A NaN counts as -inf. By a sort of each row (kernels/csrc/sampling_cpu.c finds
+    the same floors without one)."""
+    x = logits.float()
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    rows, n = x.shape
+    xs = x.sort(dim=-1, descending=True).values
+    y = xs * scale.float()[:, None]
+    w = torch.exp(y - y[:, :1]).nan_to_num(0.0)  # a row of -inf: nothing to keep or drop
+    k = torch.where((top_k > 0) & (top_k < n), top_k, n).to(torch.int64)[:, None]
+    in_k = xs >= xs.gather(1, k - 1)
+    w_k = torch.where(in_k, w, 0.0)
+    before = w_k.cumsum(dim=-1) - w_k
+    starts = torch.ones_like(in_k)
+    starts[:, 1:] = xs[:, 1:] != xs[:, :-1]
+    first_equal = torch.where(starts, torch.arange(n), 0).cummax(dim=-1).values
+    above = before.gather(1, first_equal)  # the mass of the strictly larger logits
+    target = top_p.float()[:, None] * w_k.sum(dim=-1, keepdim=True)
+    keep = in_k & ((above < target) | (top_p[:, None] >= 1)) & (w >= min_p.float()[:, None])
+    kept = keep.long().cumprod(dim=-1).sum(dim=-1, keepdim=True).clamp(min=1)
+    floors = xs.gather(1, kept - 1)[:, 0]
+    filtering = ((top_k > 0) & (top_k < n)) | (top_p < 1) | (min_p > 0)
+    return torch.where(filtering & (xs[:, 0] > float("-inf")), floors, float("-inf"))
 
 
 INT8_LEVELS = 127.0  # symmetric int8: -127 .. 127

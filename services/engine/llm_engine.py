@@ -122,10 +122,11 @@ class LLMEngine:
             mcfg.vocab_size,
             sorted(self.tokenizer.eos_token_ids),
         )
-        # The compiled argmax and race on CPU, where built.
+        # The compiled argmax, race and filters on CPU, where built.
         argmax = getattr(backend, "argmax_rows", reference.argmax_rows)
         race = getattr(backend, "race_rows", reference.race_rows)
-        self.sampler = Sampler(config.seed, self.grammars, argmax, race)
+        floors = getattr(backend, "filter_floors", reference.filter_floors)
+        self.sampler = Sampler(config.seed, self.grammars, argmax, race, floors)
         self.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # min_tokens
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         vocab = mcfg.vocab_size

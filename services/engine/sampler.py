@@ -21,9 +21,13 @@ cumulative sum carries every earlier token's rounding, and ``make chaos`` found 
 that differed from the offline engine's. Noise drawn per entry from a generator cost more than
 the model's step at 96 rows; the compiled race reads the logits once
 (``benchmarks/sampler_cost.py``). A row's score is its raw logit times 1 / temperature whatever
-else the batch holds (a top-k, top-p or min-p row only has the tokens its filters drop set to
--inf), so the same row gives the same bits on every path. A
-request's ``logit_bias`` is added to its raw logits before the penalties (logprobs stay
+else the batch holds, so the same row gives the same bits on every path.
+
+Top-k, top-p and min-p each keep the tokens whose logit reaches some value, so together they
+give one floor per row (``filter_floors`` in ``kernels/reference.py``, compiled in
+``sampling_cpu.c`` without a sort), and the race runs among the logits at or above it. Equal
+logits at the edge are kept or dropped together (as vLLM's top-k keeps them); bfloat16 logits
+tie often. A request's ``logit_bias`` is added to its raw logits before the penalties (logprobs stay
 unbiased), and while a sequence has fewer than ``min_tokens`` output tokens its EOS and stop
 token ids are masked out.
 
@@ -36,10 +40,10 @@ the result names the row (``SampleResult.dead_ends``) for the engine to end the 
 
 A batch of plain greedy rows takes the argmax of the logits as the model computed them, on their
 device and in the model's dtype (on CPU the compiled kernel, ``kernels.cpu_ops``, where built).
-A batch of plain rows, greedy or with only a temperature, is raced on the host in the model's
-dtype (a bfloat16 widens to float32 exactly). Any other batch is brought to the host in float32
-first, so penalties, masks and filters run on CPU tensors. Either way a seeded request gives the
-same tokens wherever its logits were computed.
+A batch of plain rows (a temperature and filters, nothing else) is filtered and raced on the host
+in the model's dtype (a bfloat16 widens to float32 exactly). Any other batch is brought to the
+host in float32 first, so penalties and masks run on CPU tensors. Either way a seeded request
+gives the same tokens wherever its logits were computed.
 """
 
 from __future__ import annotations
@@ -59,7 +63,11 @@ from services.engine.sequence import Sequence
 # A prepared mask row is for a sequence at a given length: (seq_id, num_output_tokens).
 MaskKey = tuple[int, int]
 # The race: (logits [rows, vocab], scale [rows], keys [rows]) -> tokens (``reference.race_rows``).
-Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# The filters: (logits, scale, top_k, top_p, min_p) -> floors (``reference.filter_floors``).
+Floors = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 RACE_DTYPES = (torch.float32, torch.bfloat16)  # what the race reads without widening first
 
 
@@ -89,9 +97,11 @@ class Sampler:
         grammars: Grammars | None = None,
         argmax: Callable[[torch.Tensor], torch.Tensor] = reference.argmax_rows,
         race: Race = reference.race_rows,
+        floors: Floors = reference.filter_floors,
     ):
-        # Each row's first maximum, and the race (the compiled CPU kernel's, where built).
-        self.argmax, self.race = argmax, race
+        # Each row's first maximum, the race and the filters' floors (the compiled CPU
+        # kernels', where built).
+        self.argmax, self.race, self.floors = argmax, race, floors
         self.generator = torch.Generator().manual_seed(seed)  # unseeded rows' keys
         self.grammars = grammars
         self._matchers: dict[int, SequenceMatcher] = {}
@@ -177,11 +187,9 @@ class Sampler:
         bfloat16 widens to float32 exactly, so the argmax is the same); any other is widened."""
         if all(_plain_greedy(s) for s in seqs):
             return SampleResult(self.argmax(logits).tolist(), [None] * len(seqs))
-        if all(_plain(s) for s in seqs):  # the race reads the model's dtype as it is
+        if all(_plain(s) for s in seqs):  # the race and filters read the model's dtype as it is
             host = logits.cpu() if logits.dtype in RACE_DTYPES else logits.float().cpu()
-            return SampleResult(
-                self.race(host, *self._race_inputs(seqs)).tolist(), [None] * len(seqs)
-            )
+            return SampleResult(self._draw(host, seqs), [None] * len(seqs))
         logits = logits.float().cpu()
         params = [s.params for s in seqs]
         dead_ends = self._apply_grammars(logits, seqs)  # before the logprobs, as vLLM's
@@ -196,46 +204,39 @@ class Sampler:
             logits = apply_min_tokens(logits, seqs, self.eos_token_ids)
         if any(p.needs_penalties for p in params):
             logits = apply_penalties(logits, seqs)
-        filtered = [i for i, p in enumerate(params) if not p.is_greedy and _has_filter(p)]
-        if filtered:
-            logits = _drop_filtered(logits, filtered, params)
-        token_list = self.race(logits, *self._race_inputs(seqs)).tolist()
+        token_list = self._draw(logits, seqs)
         logprobs = _gather_logprobs(raw_logprobs, token_list, params)
         return SampleResult(token_list, logprobs, dead_ends)
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Each row's token: greedy rows the argmax, the others the race among the logits their
+        filters keep."""
+        scale, keys = self._race_inputs(seqs)
+        params = [s.params for s in seqs]
+        filtering = [not p.is_greedy and _has_filter(p) for p in params]
+        floors = None
+        if any(filtering):
+            floors = self.floors(
+                logits,
+                scale,
+                torch.tensor([p.top_k if f else 0 for p, f in zip(params, filtering)]),
+                torch.tensor([p.top_p if f else 1.0 for p, f in zip(params, filtering)]),
+                torch.tensor([p.min_p if f else 0.0 for p, f in zip(params, filtering)]),
+            )
+        return self.race(logits, scale, keys, floors).tolist()
 
 
 def _has_filter(p) -> bool:
     return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
 
 
-def _drop_filtered(logits: torch.Tensor, rows: list[int], params: list) -> torch.Tensor:
-    """``logits`` with -inf where the top-k, top-p and min-p filters of ``rows`` drop a token
-    (judged on logits / temperature, as the filters are defined); the kept logits unchanged."""
-    temperature = torch.tensor([params[i].temperature for i in rows])[:, None]
-    kept = apply_top_k_top_p_min_p(
-        logits[rows] / temperature,
-        top_k=[params[i].top_k for i in rows],
-        top_p=[params[i].top_p for i in rows],
-        min_p=[params[i].min_p for i in rows],
-    )
-    logits = logits.clone()
-    logits[rows] = logits[rows].masked_fill(kept == float("-inf"), float("-inf"))
-    return logits
+def _plain_greedy(seq: Sequence) -> bool:
+    """Only an argmax: greedy, and ``_plain``."""
+    return seq.params.is_greedy and _plain(seq)
 
 
 def _plain(seq: Sequence) -> bool:
-    """Greedy or sampled with a temperature only: no filter and nothing ``_plain_greedy``
-    excludes."""
-    p = seq.params
-    return (p.is_greedy or not _has_filter(p)) and _plain_greedy_but_temperature(seq)
-
-
-def _plain_greedy(seq: Sequence) -> bool:
-    """Only an argmax: no logprobs, bias, min_tokens, penalties or grammar."""
-    return seq.params.is_greedy and _plain_greedy_but_temperature(seq)
-
-
-def _plain_greedy_but_temperature(seq: Sequence) -> bool:
+    """Only a draw: no logprobs, bias, min_tokens, penalties or grammar."""
     p = seq.params
     return (
         p.logprobs is None
@@ -291,91 +292,6 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     freq = torch.tensor([s.params.frequency_penalty for s in seqs])[:, None]
     presence = torch.tensor([s.params.presence_penalty for s in seqs])[:, None]
     return logits - freq * out_counts - presence * (out_counts > 0).float()
-
-
-TOP_CANDIDATES = 1024  # the tokens each row's filters look at first (the fast path)
-
-
-def apply_top_k_top_p_min_p(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
-    """Mask (to -inf) the tokens each row's top-k, top-p and min-p filters drop.
-
-    Each filter keeps a prefix of the row's tokens in descending order, so the filters first
-    look at the row's ``TOP_CANDIDATES`` largest logits only (``topk``, not a sort of the
-    vocabulary: top_p 0.9 over 96 rows of SmolLM2's logits took 0.5-0.6x the sort's time,
-    ``benchmarks/sampler_cost.py``). That is exact wherever
-    the kept prefix ends inside the candidates, which each row checks; a row where it does not
-    (a flat distribution, a top_k above the candidates) takes the full sort."""
-    if not (any(k > 0 for k in top_k) or any(p < 1 for p in top_p) or any(m > 0 for m in min_p)):
-        return logits
-    rows, vocab = logits.shape
-    if vocab <= TOP_CANDIDATES:
-        return _filter_sorted(logits, top_k, top_p, min_p)
-    values, order = logits.topk(TOP_CANDIDATES, dim=-1)  # descending
-    kept_by_k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])[:, None]
-    position = torch.arange(TOP_CANDIDATES)[None, :]
-    drop = position >= kept_by_k
-    # Probabilities over what top-k keeps: its candidates' where k fits, else the whole row's.
-    within = values.masked_fill(drop, float("-inf")).logsumexp(dim=-1, keepdim=True)
-    if bool((kept_by_k > TOP_CANDIDATES).any()):  # a pass over every logit: only if needed
-        whole = logits.logsumexp(dim=-1, keepdim=True)
-        normalizer = torch.where(kept_by_k <= TOP_CANDIDATES, within, whole)
-    else:
-        normalizer = within
-    probs = (values - normalizer).exp().masked_fill(drop, 0.0)
-    drop |= (probs.cumsum(dim=-1) - probs) >= _top_p_thresholds(top_p)
-    drop |= probs < torch.tensor(min_p)[:, None] * probs[:, :1]
-    # Exact where the last candidate is dropped (the kept prefix ended before it) and top-k's
-    # set is known (k within the candidates, or none).
-    exact = drop[:, -1] & ((kept_by_k[:, 0] <= TOP_CANDIDATES) | (kept_by_k[:, 0] == vocab))
-    out = torch.full_like(logits, float("-inf"))
-    out.scatter_(-1, order, values.masked_fill(drop, float("-inf")))
-    # A row with no filter (beside rows with some) keeps its whole row.
-    unfiltered = [i for i in range(rows) if top_k[i] <= 0 and top_p[i] >= 1 and min_p[i] <= 0]
-    if unfiltered:
-        out[unfiltered] = logits[unfiltered]
-        exact[unfiltered] = True
-    if not bool(exact.all()):
-        slow = (~exact).nonzero().flatten().tolist()
-        out[slow] = _filter_sorted(
-            logits[slow],
-            [top_k[i] for i in slow],
-            [top_p[i] for i in slow],
-            [min_p[i] for i in slow],
-        )
-    return out
-
-
-def _top_p_thresholds(top_p: list[float]) -> torch.Tensor:
-    """Each row's top_p as a column, 1 (off) as infinity: a float32 cumulative sum can round up
-    to 1 before the last token, and top_p=1 must still keep every token."""
-    return torch.tensor([p if p < 1 else float("inf") for p in top_p])[:, None]
-
-
-def _filter_sorted(
-    logits: torch.Tensor, top_k: list[int], top_p: list[float], min_p: list[float]
-) -> torch.Tensor:
-    """``apply_top_k_top_p_min_p`` over each row's whole vocabulary, sorted."""
-    use_k = any(k > 0 for k in top_k)
-    use_p = any(p < 1 for p in top_p)
-    use_min_p = any(m > 0 for m in min_p)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    vocab = logits.shape[-1]
-    if use_k:
-        k = torch.tensor([kk if kk > 0 else vocab for kk in top_k])
-        drop |= torch.arange(vocab)[None, :] >= k[:, None]
-    if use_p or use_min_p:
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        if use_p:
-            # Drop a token when the tokens before it already reach top_p (the first always stays).
-            before = probs.cumsum(dim=-1) - probs
-            drop |= before >= _top_p_thresholds(top_p)
-        if use_min_p:
-            drop |= probs < torch.tensor(min_p)[:, None] * probs[:, :1]
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def _gather_logprobs(

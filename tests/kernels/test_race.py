@@ -121,3 +121,59 @@ def test_a_seeded_row_draws_the_same_on_every_path_of_the_sampler(
             by_reference += Sampler()(row, [seq]).token_ids
         assert alone == beside == by_reference
         assert len(set(alone)) > 50, "sampled, not greedy"
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    filters=st.lists(
+        st.tuples(
+            st.sampled_from([0.01, 0.3, 1.0, 4.0]),  # logit spread: flat to peaked
+            st.one_of(st.just(0), st.integers(1, 40), st.integers(900, 2500)),  # top_k
+            st.one_of(st.just(1.0), st.floats(0.05, 0.999)),  # top_p
+            st.one_of(st.just(0.0), st.floats(0.0001, 0.5)),  # min_p
+            st.sampled_from([0.5, 1.0, 2.0]),  # scale: 1 / temperature
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    vocab=st.sampled_from([7, 100, 3000]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_filter_floors_are_the_references_without_a_sort(
+    kernel: cpu_ops.CpuKernels, filters, vocab: int, dtype: torch.dtype, seed: int
+) -> None:
+    """The same floor per row as the sort, for peaked and flat rows, bfloat16 ties, -inf and
+    NaN entries, top_k past the vocabulary, rows without filters (floor -inf) among them."""
+    gen = torch.Generator().manual_seed(seed)
+    spread = torch.tensor([f[0] for f in filters])[:, None]
+    x = (torch.randn(len(filters), vocab, generator=gen) * spread * 10).to(dtype)
+    x[torch.rand(x.shape, generator=gen) < 0.05] = float("-inf")
+    x[torch.rand(x.shape, generator=gen) < 0.01] = float("nan")
+    args = [torch.tensor([f[i] for f in filters]) for i in (4, 1, 2, 3)]
+    assert torch.equal(kernel.filter_floors(x, *args), reference.filter_floors(x, *args))
+
+
+def test_filter_floors_of_rows_of_minus_inf_and_without_filters(kernel: cpu_ops.CpuKernels):
+    x = torch.full((3, 50), float("-inf"))
+    x[1:, :3] = torch.tensor([2.0, 1.0, 0.0])
+    args = [torch.ones(3), torch.tensor([1, 0, 0]), torch.ones(3), torch.zeros(3)]
+    args[1][1] = 1
+    expected = torch.tensor([float("-inf"), 2.0, float("-inf")])
+    assert torch.equal(kernel.filter_floors(x, *args), expected)
+    assert torch.equal(reference.filter_floors(x, *args), expected)
+
+
+def test_the_race_draws_only_what_the_floors_keep(kernel: cpu_ops.CpuKernels) -> None:
+    """Top-p 0.75 over (0.45, 0.25, 0.15, 0.1, 0.05): 2,000 draws of tokens 0-2 only, each of
+    them drawn; the reference race the same tokens."""
+    probs = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
+    rows = 2000
+    x = probs.log().repeat(rows, 1).contiguous()
+    scale, keys = torch.ones(rows), torch.arange(rows)
+    floors = kernel.filter_floors(x, scale, torch.zeros(rows), torch.full((rows,), 0.75), scale * 0)
+    tokens = kernel.race_rows(x, scale, keys, floors)
+    assert set(tokens.tolist()) == {0, 1, 2}
+    assert torch.equal(tokens, reference.race_rows(x, scale, keys, floors))
