@@ -148,6 +148,19 @@ ALWAYS_INLINE vec16 log16(vec16 x) {
     return __builtin_convertvector(exponent, vec16) * 0.693147180559945f + 2.0f * s * series;
 }
 
+/* Whether some lane of v is >= at_least (a NaN is not). */
+ALWAYS_INLINE int any_at_least(vec16 v, float at_least) {
+#if defined(__AVX512F__)
+    __m512 packed;
+    memcpy(&packed, &v, sizeof packed);
+    return _mm512_cmp_ps_mask(packed, _mm512_set1_ps(at_least), _CMP_GE_OQ) != 0;
+#else
+    for (int l = 0; l < LANES; l++)
+        if (v[l] >= at_least) return 1;
+    return 0;
+#endif
+}
+
 /* Row `row`'s winner: the first maximum of x * scale - log(-log U) over the x >= at_least; a NaN
  * score never wins, an all -inf row gives 0. The last partial vector is padded with -inf, so every column takes the
  * same vector arithmetic. */
@@ -166,7 +179,10 @@ ALWAYS_INLINE int64_t row_race(const void *x, int64_t row, int64_t n, float scal
             v = (vec16){0} - INFINITY;
             for (int64_t j = i; j < n; j++) v[j - i] = scalar_at(x, base + j, bf16);
         }
-        v = blend(v, (vec16){0} - INFINITY, v < at_least); /* what the filters dropped */
+        /* What the filters dropped cannot win: a vector of it needs no noise (most of a row,
+         * under top-p or top-k). */
+        if (!any_at_least(v, at_least)) continue;
+        v = blend(v, (vec16){0} - INFINITY, v < at_least);
         const u32x16 column = lane + (uint32_t)i;
         const vec16 score = v * scale - log16(-log16(uniform16(column, key_low, key_high)));
         const i32x16 take = score > best;

@@ -38,7 +38,7 @@ def test_race_rows_draws_the_references_token(
     kernel: cpu_ops.CpuKernels, seed: int, rows: int, vocab: int, dtype: torch.dtype, spread
 ) -> None:
     """Any vocabulary size (the last partial vector too), flat to peaked rows, -inf entries,
-    greedy rows among sampled ones."""
+    greedy rows among sampled ones, with and without floors."""
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(rows, vocab, generator=gen) * spread).to(dtype)
     x[torch.rand(rows, vocab, generator=gen) < 0.2] = float("-inf")
@@ -46,6 +46,13 @@ def test_race_rows_draws_the_references_token(
     scale[torch.rand(rows, generator=gen) < 0.3] = 0.0
     keys = keys_of(gen, rows)
     assert torch.equal(kernel.race_rows(x, scale, keys), reference.race_rows(x, scale, keys))
+    # Floors at one of each row's own logits (or none): the compiled race skips whole vectors
+    # below them.
+    picked = x.float().gather(1, torch.randint(vocab, (rows, 1), generator=gen))[:, 0]
+    floors = torch.where(torch.rand(rows, generator=gen) < 0.7, picked, float("-inf"))
+    assert torch.equal(
+        kernel.race_rows(x, scale, keys, floors), reference.race_rows(x, scale, keys, floors)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
