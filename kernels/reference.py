@@ -271,33 +271,42 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 _MASK32 = 0xFFFFFFFF
+# lowbias32's multipliers as int32 (the same bits): int32 products wrap modulo 2^32, as the
+# vectorized multiply of PyTorch's CPU and CUDA kernels does.
+_MIX_FIRST, _MIX_SECOND = 0x7FEB352D, 0x846CA68B - 2**32
+_NOISE_ROWS = 8  # rows hashed at a time: their int32 temporaries stay in the core's cache
 
 
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """``x * constant`` modulo 2^32, for ``x`` int64 holding a uint32, without int64 overflow."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+def _as_int32(x: torch.Tensor) -> torch.Tensor:
+    """int64 values holding uint32 bits, as int32 with the same bits."""
+    return torch.where(x >= 2**31, x - 2**32, x).to(torch.int32)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 (kernels/csrc/sampling_cpu.c's mix32) on int64 tensors holding uint32."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (kernels/csrc/sampling_cpu.c's mix32), in place on int32 holding uint32 bits
+    (a right shift of int32 is arithmetic, so its sign copies are masked off)."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= _MIX_FIRST
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _MIX_SECOND
+    x ^= (x >> 16) & 0xFFFF
+    return x
 
 
 def race_noise(keys: torch.Tensor, n: int) -> torch.Tensor:
     """The race's uniform numbers ``[rows, n]`` (float32, in (0, 1)): for row r and column i,
     ``((mix32(mix32(i ^ key_low) ^ key_high) >> 9) + 0.5) / 2^23``, keys int64 ``[rows]``
     holding uint64 bits, split in 32-bit halves."""
-    low = (keys & _MASK32)[:, None]
-    high = ((keys >> 32) & _MASK32)[:, None]
-    column = torch.arange(n, dtype=torch.int64)[None, :]
-    bits = _mix32(_mix32(column ^ low) ^ high)
-    return ((bits >> 9).float() + 0.5) * (1.0 / 8388608.0)
+    low, high = _as_int32(keys & _MASK32), _as_int32((keys >> 32) & _MASK32)
+    column = torch.arange(n, dtype=torch.int32)
+    out = torch.empty(keys.shape[0], n)
+    for first in range(0, keys.shape[0], _NOISE_ROWS):
+        rows = slice(first, first + _NOISE_ROWS)
+        bits = _mix32_(column[None, :] ^ low[rows, None])
+        bits ^= high[rows, None]
+        bits = (_mix32_(bits) >> 9) & 0x7FFFFF
+        torch.add(bits.float(), 0.5, out=out[rows]).mul_(1.0 / 8388608.0)
+    return out
 
 
 def race_rows(

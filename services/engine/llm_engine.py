@@ -35,7 +35,12 @@ from services.engine.model.llama import LlamaModel
 from services.engine.model.loader import load_config, load_model
 from services.engine.model.simulated import SimulatedModel
 from services.engine.model.source import resolve_model_dir
-from services.engine.model_runner import ModelRunner, attention_backend, kv_bytes_per_block
+from services.engine.model_runner import (
+    ModelRunner,
+    attention_backend,
+    kv_bytes_per_block,
+    sampling_kernels,
+)
 from services.engine.output_processor import OutputProcessor, RequestState
 from services.engine.outputs import RequestOutput
 from services.engine.prompt_logprobs import record_prompt_logprobs
@@ -122,11 +127,11 @@ class LLMEngine:
             mcfg.vocab_size,
             sorted(self.tokenizer.eos_token_ids),
         )
-        # The compiled argmax, race and filters on CPU, where built.
-        argmax = getattr(backend, "argmax_rows", reference.argmax_rows)
-        race = getattr(backend, "race_rows", reference.race_rows)
-        floors = getattr(backend, "filter_floors", reference.filter_floors)
-        self.sampler = Sampler(config.seed, self.grammars, argmax, race, floors)
+        kernels = sampling_kernels(config)  # on the host, for every device
+        ops = kernels if kernels is not None else reference
+        self.sampler = Sampler(
+            config.seed, self.grammars, ops.argmax_rows, ops.race_rows, ops.filter_floors
+        )
         self.sampler.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)  # min_tokens
         self.outputs = OutputProcessor(self.tokenizer, self.max_model_len)
         vocab = mcfg.vocab_size

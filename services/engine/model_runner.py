@@ -53,6 +53,16 @@ def attention_backend(config: EngineConfig) -> str | Backend | None:
     return cpu_ops.load(config.cache_path / "kernels", config.cpu_kernels_cc) or "reference"
 
 
+def sampling_kernels(config: EngineConfig) -> cpu_ops.CpuKernels | None:
+    """The compiled sampling kernels (argmax, the race, the filters' floors), which run on the
+    host whatever the device or model (a GPU's or the simulated model's logits are sampled
+    there too): the CPU build of ``attention_backend`` (loaded once per process), or None for
+    the PyTorch reference where ``cpu_kernels`` is off or the build fails."""
+    if not config.cpu_kernels:
+        return None
+    return cpu_ops.load(config.cache_path / "kernels", config.cpu_kernels_cc)
+
+
 @dataclass
 class PromptHidden:
     """The model's last hidden states at a run of a prompt's positions, for its prompt

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from common.sampling_params import SamplingParams
+from kernels import cpu_ops
 from services.engine.config import EngineConfig, SchedulerConfig
 from services.engine.llm_engine import LLMEngine, PullPlan
 from services.engine.simulation_profile import SimulationProfile, StepTimeModel
@@ -141,3 +142,14 @@ def test_step_time_follows_the_profile() -> None:
     expected = 4 * 0.05 + num_prompt * 1e-4 + 3 * FAST.step.decode_seq_s
     assert model.busy_seconds == pytest.approx(expected)
     assert expected <= wall < expected + 2.0  # it slept at least that; a shared machine adds
+
+
+def test_the_simulated_model_samples_with_the_compiled_kernels(engine: LLMEngine) -> None:
+    """Its logits are sampled on the host like any device's: with the compiled race where a C
+    compiler builds it (the PyTorch reference is many times slower at a decode batch), and a
+    seeded draw there gives the simulated model's own next token (its logits are one-hot)."""
+    if cpu_ops.find_compiler() is None:
+        pytest.skip("no C compiler (cc/gcc/clang) on PATH to build the kernels")
+    assert isinstance(getattr(engine.sampler.race, "__self__", None), cpu_ops.CpuKernels)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, seed=7)
+    assert run(engine, PROMPTS[:2], seeded) == run(engine, PROMPTS[:2])
