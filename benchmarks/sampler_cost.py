@@ -4,8 +4,9 @@ where they build) on a batch of logits, greedy, at temperature 1, and with top_p
 its noise from ``exponential_`` per row, then from ``torch.rand`` (-log U) per row, and the top-p
 filter over a full sort of each row (``reference.filter_floors``). The race now hashes its noise
 in one compiled pass and the filters find each row's floor without a sort
-(``kernels/csrc/sampling_cpu.c``); the last two columns are the ratios of the torch.rand race
-to it and of the sorted top-p filter to the whole top_p 0.9 draw.
+(``kernels/csrc/sampling_cpu.c``). "T=1 reference" is the sampler on the PyTorch reference of
+those kernels (where no C compiler builds them). The last two columns are the ratios of the
+torch.rand race to the T=1 draw and of the sorted top-p filter to the whole top_p 0.9 draw.
 
     python benchmarks/sampler_cost.py [--rows 1,16,96] [--vocab 49152] [--repeats 7]
 
@@ -82,7 +83,7 @@ def main() -> int:
     print(f"machine: {cpu_name()}")
     print(f"torch threads {torch.get_num_threads()}, the default model's bfloat16 logits")
     columns = ("greedy", "T=1", "T=1 top_p 0.9", "T=1 top_k 50")
-    columns += ("exponential_", "torch.rand race", "sorted top_p")
+    columns += ("exponential_", "torch.rand race", "sorted top_p", "T=1 reference")
     print(
         f"{'rows':>5}"
         + "".join(f" {c + ' ms':>16}" for c in columns)
@@ -118,6 +119,7 @@ def main() -> int:
                 partial(exponential_race, logits, generator),
                 partial(rand_race, logits, generator),
                 partial(reference.filter_floors, wide, *sorted_top_p),
+                partial(Sampler(), logits, batches[1]),  # the fallback without the kernels
             ]
             cells = [median_seconds(call, args.repeats) * 1e3 for call in calls]
             ratios = f"  {cells[5] / cells[1]:>15.1f}x  {cells[6] / cells[2]:>13.1f}x"
