@@ -1,8 +1,9 @@
 """The compiled CPU path: paged decode attention that reads KV blocks in place, bfloat16 prefill
 attention (``kernels.prefill_attention``), the small-batch linear layer over bfloat16 weights in
 its own tiled order, the per-token glue of a decoder layer fused (``add_rms_norm``,
-``rotary_write_kv``, ``silu_mul``), and greedy sampling's argmax over the logits in the model's
-dtype (``argmax_rows``).
+``rotary_write_kv``, ``silu_mul``), and sampling over the logits in the model's dtype: greedy
+rows' argmax (``argmax_rows``), the exponential race with hashed noise (``race_rows``) and the
+top-k / top-p / min-p floors found without a sort (``filter_floors``).
 
 ``kernels/csrc/*.c`` are built once per machine, into one library, with the system C compiler
 (``-O3 -march=native``) into a build directory and loaded with ctypes; nothing is compiled at
