@@ -115,7 +115,8 @@ ALWAYS_INLINE vec16 uniform16(u32x16 column, uint32_t key_low, uint32_t key_high
 }
 
 /* 1 / x for x in [1.7, 2.5): VRCP14PS (relative error below 2^-14) and a Newton step (below
- * 2^-27), several times cheaper than a division; a division elsewhere. */
+ * 2^-27), in place of a division, which issues on one port at a fraction of the rate; a
+ * division where AVX-512 is absent. */
 ALWAYS_INLINE vec16 reciprocal16(vec16 x) {
 #if defined(__AVX512F__)
     __m512 v;

@@ -62,7 +62,8 @@ from services.engine.sequence import Sequence
 
 # A prepared mask row is for a sequence at a given length: (seq_id, num_output_tokens).
 MaskKey = tuple[int, int]
-# The race: (logits [rows, vocab], scale [rows], keys [rows]) -> tokens (``reference.race_rows``).
+# The race: (logits [rows, vocab], scale, keys, floors or None; [rows] each) -> tokens
+# (``reference.race_rows``).
 Race = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # The filters: (logits, scale, top_k, top_p, min_p) -> floors (``reference.filter_floors``).
 Floors = Callable[
